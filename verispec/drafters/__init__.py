@@ -1,0 +1,12 @@
+"""Drafters propose the next tokens cheaply; the target then verifies them in one pass.
+
+Every drafter follows one protocol, `Drafter.propose(history, k, params, generator) -> Draft`:
+given all tokens so far (prompt + output), propose up to k tokens. A draft may carry the
+probabilities it sampled from (a draft model) or none (deterministic, as n-gram lookup).
+"""
+
+from verispec.drafters.base import Draft, Drafter
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+
+__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter"]

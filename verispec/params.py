@@ -1,0 +1,62 @@
+"""Request configuration: small frozen dataclasses that validate themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    temperature == 0 means greedy decoding (top_k/top_p/min_p are then irrelevant).
+    Otherwise the target's logits are warped in this order: temperature, top-k, top-p,
+    min-p; the draft's logits go through the very same warping, and the speculative
+    output is distributed exactly as sampling from the warped target.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    seed: int | None = None  # None: a fresh random seed
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
+               f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p < 1,
+               f"min_p must be in [0, 1), got {self.min_p!r}")
+        _check(self.seed is None or _is_int(self.seed),
+               f"seed must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

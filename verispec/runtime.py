@@ -1,0 +1,87 @@
+"""A causal LM with its KV cache: feed only the tokens the cache lacks, roll back on rejection.
+
+`CachedModel.logits(ids, num_logits)` keeps the cache in sync with any token sequence: it keeps
+the longest cached prefix that `ids` shares (the rollback), feeds the rest in one forward pass,
+and returns the logits of the last `num_logits` positions. A speculative round is then
+  target.logits(history + draft, num_logits=len(draft) + 1)
+and the rejected draft tokens simply fall out of the cache at the next call.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class CachedModel:
+    """One sequence (batch 1) of an HF causal LM with a croppable DynamicCache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = _max_positions(model.config)
+        self._cache = DynamicCache(config=model.config)
+        if not self._cache.is_croppable:
+            raise ValueError(
+                f"{type(model).__name__} uses a cache that cannot be rolled back (sliding "
+                "window or "
+                "recurrent state); speculative decoding needs a croppable KV cache"
+            )
+        self._cached_ids = torch.empty(0, dtype=torch.long)  # the tokens whose KV is cached
+        self.forward_calls = 0
+
+    def reset(self) -> None:
+        self._cache = DynamicCache(config=self.model.config)
+        self._cached_ids = torch.empty(0, dtype=torch.long)
+
+    @property
+    def cached_length(self) -> int:
+        return int(self._cached_ids.numel())
+
+    def rollback(self, length: int) -> None:
+        """Drop the cached positions from `length` on."""
+        excess = self.cached_length - length
+        if excess > 0:
+            self._cache.crop(-excess)
+            self._cached_ids = self._cached_ids[:length]
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """ids [L] (cpu long) -> logits [num_logits, V] for the last num_logits positions.
+
+        Example: cache holds [a, b, c, x]; ids = [a, b, c, y, z], num_logits = 2 -> rollback to
+        [a, b, c], feed [y, z], return the logits after y and after z.
+        """
+        length = int(ids.numel())
+        if not 1 <= num_logits <= length:
+            raise ValueError(f"num_logits must be in [1, {length}], got {num_logits}")
+        if length > self.max_positions:
+            raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
+                             f"{self.max_positions}")
+        # 1. Roll back to the longest cached prefix, leaving at least num_logits positions to feed.
+        keep = min(_common_prefix(self._cached_ids, ids), length - num_logits)
+        self.rollback(keep)
+        # 2. One forward over the new positions; the cache grows to hold all of ids.
+        new_ids = ids[keep:].to(self.device).unsqueeze(0)  # [1, L - keep]
+        out = self.model(input_ids=new_ids, cache=self._cache, use_cache=True,
+                         logits_to_keep=num_logits)
+        self.forward_calls += 1
+        self._cached_ids = ids.clone()
+        return out.logits[0, -num_logits:]  # [num_logits, V]
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    if n == 0:
+        return 0
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0, 0]) if differ.numel() else n
+
+
+def _max_positions(config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 30

@@ -1,0 +1,54 @@
+"""Logits -> probabilities, and drawing tokens from them.
+
+The same `warp` is applied to the target's and the draft's logits. Speculative decoding is
+then exact for the *warped* target distribution: the output is distributed as if every token
+had been sampled from `warp(target_logits)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.params import SamplingParams
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits [..., V] into probabilities [..., V] (float32) under temperature, top-k,
+    top-p and min-p, applied in that order.
+
+    Example: logits [2., 1., 0.] with temperature 1 and top_k 2 -> softmax([2., 1.]) on the first
+    two entries, 0 on the third: [0.731, 0.269, 0.].
+    """
+    if params.greedy:
+        raise ValueError("warp() is for sampling; temperature 0 is greedy (use argmax)")
+    logits = logits.float() / params.temperature
+    vocab_size = logits.shape[-1]
+    if 0 < params.top_k < vocab_size:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
+        drop_sorted = mass_before >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row: probs [B, V] -> tokens [B] long."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,89 @@
+"""Acceptance metrics of one generation, returned to the caller as data."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from verispec.theory import expected_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    """What a generation cost and how well the draft agreed with the target.
+
+    checked counts the draft tokens actually compared with the target: those after the first
+    rejection of a round are dropped unseen. tokens_per_forward (tau) is new tokens per target
+    forward pass, prompt pass included; expected_tokens is the formula
+    (1 - a^(k+1)) / (1 - a) at the measured acceptance rate a and the configured k.
+    """
+
+    k: int
+    new_tokens: int
+    target_forwards: int
+    drafted: int
+    checked: int
+    accepted: int
+    acceptance_rate: float
+    per_position_acceptance: list[float]
+    tokens_per_forward: float
+    expected_tokens: float
+    ttft_s: float
+    wall_s: float
+    tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class StatsRecorder:
+    """Accumulates per-round counts during a generation."""
+
+    k: int
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    position_checked: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+
+    def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        """One verification round: num_drafted proposed, num_accepted passed, num_emitted kept
+        (num_accepted + 1, or fewer when EOS or the token budget cut the round short)."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.target_forwards += 1
+        self.drafted += num_drafted
+        self.new_tokens += num_emitted
+        num_checked = min(num_accepted + 1, num_drafted)
+        while len(self.position_checked) < num_checked:
+            self.position_checked.append(0)
+            self.position_accepted.append(0)
+        for position in range(num_checked):
+            self.position_checked[position] += 1
+            self.position_accepted[position] += int(position < num_accepted)
+
+    def finish(self) -> GenerationStats:
+        wall_s = time.perf_counter() - self.started
+        checked = sum(self.position_checked)
+        accepted = sum(self.position_accepted)
+        rate = accepted / checked if checked else 0.0
+        return GenerationStats(
+            k=self.k,
+            new_tokens=self.new_tokens,
+            target_forwards=self.target_forwards,
+            drafted=self.drafted,
+            checked=checked,
+            accepted=accepted,
+            acceptance_rate=rate,
+            per_position_acceptance=[
+                a / c for a, c in zip(self.position_accepted, self.position_checked, strict=True)
+            ],
+            tokens_per_forward=self.new_tokens / max(self.target_forwards, 1),
+            expected_tokens=expected_tokens(rate, self.k),
+            ttft_s=(self.first_token_at or time.perf_counter()) - self.started,
+            wall_s=wall_s,
+            tokens_per_s=self.new_tokens / wall_s if wall_s > 0 else 0.0,
+        )

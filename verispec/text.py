@@ -1,0 +1,80 @@
+"""Incremental detokenisation with stop strings, for streaming."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+
+class TextStream:
+    """Turns a growing list of generated ids into printable text pieces.
+
+    Text is held back while it may still change: an incomplete UTF-8 character (decoded as
+    U+FFFD) or a suffix that could be the start of a stop string. When a stop string appears the
+    text is cut just before it and `stopped` is set; `num_tokens` then says how many ids were
+    needed to produce it.
+
+    Example: stop ("\\n\\n",), pieces "Hi", "!\\n", "\\nBye" -> yields "Hi", "!", then stops with
+    text "Hi!".
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far, cut before a stop string once stopped
+        self.emitted = 0  # characters of self.text already returned by add()
+        self.stopped = False
+        self.num_tokens = 0
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append ids; return the text that is now final."""
+        if self.stopped:
+            return ""
+        start = len(self.ids)
+        self.ids.extend(new_ids)
+        self.num_tokens = len(self.ids)
+        if self.tokenizer is None:
+            return ""
+        self.text = self._decode(self.ids)
+        if self.stop:
+            cut = self._find_stop(self.text)
+            if cut is not None:
+                self.text = self.text[:cut]
+                self.stopped = True
+                self.num_tokens = self._tokens_to_stop(start)
+        return self._release(final=self.stopped)
+
+    def flush(self) -> str:
+        """At the end of generation: return whatever is still held back."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final:
+            end = len(self.text.rstrip("\ufffd"))
+            for stop in self.stop:
+                for size in range(min(len(stop) - 1, end), 0, -1):
+                    if self.text[end - size:end] == stop[:size]:
+                        end -= size
+                        break
+        end = max(end, self.emitted)
+        piece = self.text[self.emitted:end]
+        self.emitted = end
+        return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _find_stop(self, text: str) -> int | None:
+        # Only text past what was already released can hold a new stop string.
+        longest = max(len(s) for s in self.stop)
+        window_start = max(0, self.emitted - longest)
+        found = [i for s in self.stop if (i := text.find(s, window_start)) >= 0]
+        return min(found) if found else None
+
+    def _tokens_to_stop(self, round_start: int) -> int:
+        """The fewest ids whose text contains a stop string (searching this round's ids)."""
+        for count in range(round_start + 1, len(self.ids) + 1):
+            if self._find_stop(self._decode(self.ids[:count])) is not None:
+                return count
+        return len(self.ids)

@@ -1,0 +1,45 @@
+"""The expected-tokens formula of speculative decoding and the choice of K it implies.
+
+With per-token acceptance probability gamma (i.i.d. across positions) and K draft tokens, one
+target pass emits on average (1 - gamma^(K+1)) / (1 - gamma) tokens (K + 1 at gamma = 1).
+Example: gamma = 0.8, K = 5 -> (1 - 0.8^6) / 0.2 = 3.69 tokens per target pass.
+"""
+
+from __future__ import annotations
+
+
+def expected_tokens(gamma: float, k: int) -> float:
+    """Expected tokens emitted per target pass: (1 - gamma^(k+1)) / (1 - gamma)."""
+    _check_gamma(gamma)
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if gamma == 1.0:
+        return float(k + 1)
+    return (1.0 - gamma ** (k + 1)) / (1.0 - gamma)
+
+
+def expected_speedup(gamma: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """Expected speedup over plain decoding: expected_tokens / (k * c + verify_cost).
+
+    cost_ratio c is the time of one draft step over one target step; verify_cost is the time of
+    the target pass over k + 1 positions, in units of a one-token target step.
+    """
+    if cost_ratio < 0 or verify_cost <= 0:
+        raise ValueError("cost_ratio must be >= 0 and verify_cost > 0")
+    return expected_tokens(gamma, k) / (k * cost_ratio + verify_cost)
+
+
+def optimal_k(gamma: float, cost_ratio: float, verify_cost: float = 1.0, k_max: int = 16) -> int:
+    """The K in [0, k_max] with the highest expected speedup; 0 when speculation does not pay
+    (K = 0 is plain decoding, speedup 1 by definition)."""
+    best_k, best = 0, 1.0
+    for k in range(1, k_max + 1):
+        speedup = expected_speedup(gamma, k, cost_ratio, verify_cost)
+        if speedup > best + 1e-12:
+            best_k, best = k, speedup
+    return best_k
+
+
+def _check_gamma(gamma: float) -> None:
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")

@@ -1,0 +1,115 @@
+"""Verification of a draft against the target: pure functions over tensors.
+
+Vocabulary, per row of a batch with K draft tokens:
+  accepted tokens   the longest prefix of the draft that passes verification (0..K tokens);
+  recovered token   at the first rejected position, a token drawn from the residual
+                    max(0, p - q) / sum(max(0, p - q)), which corrects the draft's bias;
+  bonus token       when all K draft tokens pass, one more token drawn from the target at
+                    position K + 1, for free.
+Each row therefore emits num_accepted + 1 tokens: accepted + (recovered or bonus).
+
+Draft token x_i is accepted with probability min(1, p(x_i) / q(x_i)), with p = target_probs and
+q = draft_probs at that position. The emitted tokens are distributed exactly as tokens sampled
+one by one from the target (Leviathan et al. 2023; Chen et al. 2023), whatever q is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.sampling import sample
+
+PAD_TOKEN = -1  # fills `tokens` after the last emitted token of a row
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,  # [B, K] long
+    draft_probs: torch.Tensor | None,  # [B, K, V] float, or None for a deterministic draft
+    target_probs: torch.Tensor,  # [B, K+1, V] float
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a sampled draft. Returns (tokens [B, K+1] long padded with -1, num_accepted [B]).
+
+    draft_probs=None means the drafter proposes tokens deterministically (n-gram lookup): q is a
+    point mass on the drafted token, so x is accepted with probability p(x) and the recovered
+    token comes from p with x removed.
+
+    Edges: p(x) = 0 always rejects; q(x) = 0 < p(x) always accepts (a drafter that proposes a
+    token it gives no mass is not sampling from q, and the guarantee needs q to be the truth);
+    p == q always accepts. K = 0 draws the bonus token from target_probs[:, 0]: plain sampling.
+
+    Example (one row, V = 3, K = 1): draft [[0]], q = [[[1, 0, 0]]], p = [[[.5, .5, 0], ...]]:
+    token 0 is accepted with probability .5; otherwise the recovered token is 1, because
+    max(0, p - q) = [0, .5, 0].
+    """
+    batch_size, num_draft = draft_tokens.shape
+    rows = torch.arange(batch_size, device=draft_tokens.device)
+
+    # 1. Acceptance test at every draft position: u * q(x) < p(x)  <=>  u < min(1, p(x)/q(x)).
+    target_at_draft = target_probs[:, :num_draft].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    uniform = torch.rand(target_at_draft.shape, generator=generator, device=target_probs.device)
+    passed = uniform * draft_at_draft < target_at_draft  # [B, K]
+
+    # 2. Accepted prefix: stop at the first rejection.
+    num_accepted = passed.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+
+    # 3. The distribution of the token after the prefix: residual at a rejection, p at K + 1.
+    next_target = target_probs[rows, num_accepted]  # [B, V]
+    rejected = num_accepted < num_draft  # [B]
+    if num_draft > 0:
+        at = num_accepted.clamp(max=num_draft - 1)
+        if draft_probs is None:
+            next_draft = torch.zeros_like(next_target)
+            next_draft[rows, draft_tokens[rows, at]] = 1.0
+        else:
+            next_draft = draft_probs[rows, at]
+        residual = (next_target - next_draft).clamp(min=0.0)
+        residual_mass = residual.sum(dim=-1, keepdim=True)
+        # A rejection implies p != q, so the mass is positive; a zero mass from rounding falls
+        # back to p rather than dividing by zero.
+        residual = torch.where(residual_mass > 0, residual / residual_mass.clamp(min=1e-30),
+                               next_target)
+        next_dist = torch.where(rejected.unsqueeze(-1), residual, next_target)
+    else:
+        next_dist = next_target
+    next_token = sample(next_dist, generator)  # [B]
+
+    return _assemble(draft_tokens, num_accepted, next_token), num_accepted
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor,  # [B, K] long
+    target_logits: torch.Tensor,  # [B, K+1, V]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy counterpart: accept while the draft equals the target's argmax.
+
+    Returns (tokens [B, K+1] padded with -1, num_accepted [B]); the emitted tokens are exactly
+    the target's argmax at positions 0..num_accepted, so the output is plain greedy decoding.
+
+    Example: draft [[5, 7, 9]], target argmax [[5, 7, 2, 4]] -> tokens [[5, 7, 2, -1]], 2 accepted.
+    """
+    target_choice = target_logits.argmax(dim=-1)  # [B, K+1]
+    num_draft = draft_tokens.shape[1]
+    matches = draft_tokens == target_choice[:, :num_draft]
+    num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    positions = torch.arange(num_draft + 1, device=target_choice.device)
+    tokens = target_choice.masked_fill(positions > num_accepted.unsqueeze(-1), PAD_TOKEN)
+    return tokens, num_accepted
+
+
+def _assemble(
+    draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor
+) -> torch.Tensor:
+    """tokens [B, K+1]: the accepted draft prefix, then next_token, then padding."""
+    batch_size, num_draft = draft_tokens.shape
+    positions = torch.arange(num_draft + 1, device=draft_tokens.device)
+    tokens = torch.full((batch_size, num_draft + 1), PAD_TOKEN, dtype=torch.long,
+                        device=draft_tokens.device)
+    tokens[:, :num_draft] = draft_tokens
+    tokens = tokens.masked_fill(positions >= num_accepted.unsqueeze(-1), PAD_TOKEN)
+    tokens[torch.arange(batch_size, device=tokens.device), num_accepted] = next_token
+    return tokens
