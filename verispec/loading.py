@@ -86,12 +86,22 @@ def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "
     hf_logging.set_verbosity_error()
     folder = _safetensors_cache(source) if source.gguf_file else source.folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
+    return model, _load_tokenizer(folder)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(folder: Path):
+    """The folder's tokenizer, or None when it has none (prompts must then be token ids)."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        log.info("no tokenizer in %s: prompts must be token ids", folder)
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as err:
-        log.info("no tokenizer in %s (%s): prompts must be token ids", folder, type(err).__name__)
-        tokenizer = None
-    return model, tokenizer
+        log.warning("tokenizer in %s failed to load (%s): prompts must be token ids", folder, err)
+        return None
 
 
 def cache_root() -> Path:

@@ -59,7 +59,6 @@ def rejection_sample(
 
     # 3. The distribution of the token after the prefix: residual at a rejection, p at K + 1.
     next_target = target_probs[rows, num_accepted]  # [B, V]
-    rejected = num_accepted < num_draft  # [B]
     if num_draft > 0:
         at = num_accepted.clamp(max=num_draft - 1)
         if draft_probs is None:
@@ -67,18 +66,27 @@ def rejection_sample(
             next_draft[rows, draft_tokens[rows, at]] = 1.0
         else:
             next_draft = draft_probs[rows, at]
-        residual = (next_target - next_draft).clamp(min=0.0)
-        residual_mass = residual.sum(dim=-1, keepdim=True)
-        # A rejection implies p != q, so the mass is positive; a zero mass from rounding falls
-        # back to p rather than dividing by zero.
-        residual = torch.where(residual_mass > 0, residual / residual_mass.clamp(min=1e-30),
-                               next_target)
-        next_dist = torch.where(rejected.unsqueeze(-1), residual, next_target)
+        rejected = (num_accepted < num_draft).unsqueeze(-1)  # [B, 1]
+        next_dist = torch.where(rejected, residual(next_target, next_draft), next_target)
     else:
         next_dist = next_target
     next_token = sample(next_dist, generator)  # [B]
 
     return _assemble(draft_tokens, num_accepted, next_token), num_accepted
+
+
+def residual(
+    target_probs: torch.Tensor,  # [..., V]
+    draft_probs: torch.Tensor,  # [..., V]
+) -> torch.Tensor:
+    """The recovery distribution after a rejection: max(0, p - q) / sum(max(0, p - q)).
+
+    A rejection implies p != q, so the mass is positive; if rounding leaves no mass, fall back to
+    p rather than divide by zero. Example: p = [.5, .5, 0], q = [1, 0, 0] -> [0, 1, 0].
+    """
+    excess = (target_probs - draft_probs).clamp(min=0.0)
+    mass = excess.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, excess / mass.clamp(min=1e-30), target_probs)
 
 
 def greedy_verify(

@@ -1,0 +1,93 @@
+"""Tiny random models built from configs, and a byte-level tokenizer made offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+BYTE_VOCAB = 256
+EOS_ID = 256  # "</s>", the one special token of the byte tokenizer
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: one token per byte, plus </s> (id 256)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>")
+    assert tokenizer.eos_token_id == EOS_ID
+    return tokenizer
+
+
+def tiny_llama(vocab_size: int, seed: int, init: float = 0.3, layers: int = 2,
+               dtype=torch.float64) -> LlamaForCausalLM:
+    """A random Llama; a large init range makes its next-token distributions peaked, so greedy
+    argmaxes are not near-ties and sampling tests see distributions far from uniform."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=init,
+                         bos_token_id=None, eos_token_id=EOS_ID if vocab_size > EOS_ID else None,
+                         pad_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_gpt2(vocab_size: int, seed: int, init: float = 0.3, dtype=torch.float64
+              ) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+                        initializer_range=init, bos_token_id=None,
+                        eos_token_id=EOS_ID if vocab_size > EOS_ID else None)
+    return GPT2LMHeadModel(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def text_target() -> LlamaForCausalLM:
+    return tiny_llama(EOS_ID + 1, seed=0)
+
+
+@pytest.fixture(scope="session")
+def text_draft() -> LlamaForCausalLM:
+    return tiny_llama(EOS_ID + 1, seed=1, layers=1)
+
+
+@pytest.fixture(scope="session")
+def model_folders(tmp_path_factory, tokenizer, text_target, text_draft):
+    """Target and draft saved as HF folders (with the tokenizer), as a user would have them."""
+    root = tmp_path_factory.mktemp("models")
+    for name, model in (("target", text_target), ("draft", text_draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+def perturbed_copy(model, noise: float, seed: int):
+    """The model with gaussian noise on every weight: a draft that agrees with it often, not
+    always, so both accepted and rejected paths are exercised."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * noise)
+    return draft

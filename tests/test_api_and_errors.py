@@ -1,0 +1,125 @@
+"""Streaming, stop strings, loading from folders, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_gpt2
+
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.decoder import make_drafter
+from verispec.drafters import NgramDrafter
+from verispec.errors import IncompatibleDraftError, ModelNotFoundError
+
+
+@pytest.fixture
+def decoder(text_target, tokenizer):
+    return SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=4)
+
+
+def test_stream_pieces_add_up_to_the_output(decoder):
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    chunks = list(decoder.stream("abcabcabc", params))
+    output = chunks[-1].output
+    assert output is not None and all(c.output is None for c in chunks[:-1])
+    assert "".join(c.text for c in chunks) == output.text
+    assert [t for c in chunks for t in c.token_ids] == output.token_ids
+    assert output.token_ids == decoder.generate("abcabcabc", params).token_ids
+
+
+def test_stop_string_cuts_text_and_tokens(decoder, tokenizer):
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    full = decoder.generate("abcabcabc", params)
+    stop = full.text[10:13]
+    cut_at = full.text.index(stop)
+    stopped = decoder.generate("abcabcabc", SamplingParams(max_new_tokens=60, ignore_eos=True,
+                                                            stop=(stop,)))
+    assert stopped.text == full.text[:cut_at]
+    assert stopped.finish_reason == "stop"
+    assert full.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+    assert stop in tokenizer.decode(stopped.token_ids)  # the ids reach the stop string ...
+    assert stop not in tokenizer.decode(stopped.token_ids[:-1])  # ... and not one id further
+    streamed = list(decoder.stream("abcabcabc", SamplingParams(max_new_tokens=60,
+                                                                ignore_eos=True, stop=(stop,))))
+    assert "".join(c.text for c in streamed) == stopped.text
+
+
+def test_finish_reasons(decoder):
+    assert decoder.generate("abc", SamplingParams(max_new_tokens=3, ignore_eos=True)
+                            ).finish_reason == "length"
+
+
+def test_token_id_prompts_and_model_without_tokenizer(text_target):
+    decoder = SpeculativeDecoder(text_target, None, NgramDrafter(), k=3)
+    out = decoder.generate([5, 6, 7, 5, 6], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert len(out.token_ids) == 10 and out.text == ""
+    with pytest.raises(ValueError, match="token ids"):
+        decoder.generate("text prompt", SamplingParams())
+
+
+def test_from_pretrained_with_folders(model_folders, tokenizer):
+    decoder = SpeculativeDecoder.from_pretrained(target=model_folders / "target",
+                                                 draft=model_folders / "draft", k=3)
+    plain = SpeculativeDecoder.from_pretrained(target=model_folders / "target", draft=None)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    assert decoder.generate("xyz", params).token_ids == plain.generate("xyz", params).token_ids
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", []])
+def test_empty_prompt(decoder, prompt):
+    with pytest.raises(ValueError, match="empty"):
+        decoder.generate(prompt, SamplingParams())
+
+
+def test_out_of_range_token_ids(decoder):
+    with pytest.raises(ValueError, match="token ids"):
+        decoder.generate([1, 99999], SamplingParams())
+
+
+def test_prompt_longer_than_context(decoder):
+    with pytest.raises(ValueError, match="context"):
+        decoder.generate([1] * 600, SamplingParams())
+
+
+@pytest.mark.parametrize("k", [-1, 2.5, True])
+def test_bad_k(text_target, tokenizer, k):
+    with pytest.raises(ValueError, match="k must be"):
+        SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=k)
+
+
+def test_missing_model_says_what_to_do(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        SpeculativeDecoder.from_pretrained(target=tmp_path / "nope")
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        SpeculativeDecoder.from_pretrained(target=tmp_path)
+
+
+def test_vocabulary_mismatch(text_target, tokenizer, tmp_path):
+    small = tiny_gpt2(100, seed=0)
+    small.save_pretrained(tmp_path / "small")
+    with pytest.raises(IncompatibleDraftError, match="vocabulary"):
+        make_drafter(tmp_path / "small", text_target, tokenizer)
+    tokenizer.save_pretrained(tmp_path / "small")
+    with pytest.raises(IncompatibleDraftError, match="vocabulary mismatch"):
+        make_drafter(tmp_path / "small", text_target, tokenizer)
+
+
+def test_padding_rows_beyond_the_tokenizer_are_allowed(text_target, tokenizer, tmp_path):
+    padded = tiny_gpt2(len(tokenizer) + 63, seed=0)  # embedding padded to a multiple of 64
+    padded.save_pretrained(tmp_path / "padded")
+    tokenizer.save_pretrained(tmp_path / "padded")
+    drafter = make_drafter(tmp_path / "padded", text_target, tokenizer)
+    decoder = SpeculativeDecoder(text_target, tokenizer, drafter, k=3)
+    plain = SpeculativeDecoder(text_target, tokenizer, None)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    assert decoder.generate("pad", params).token_ids == plain.generate("pad", params).token_ids
+    sampled = decoder.generate("pad", SamplingParams(max_new_tokens=20, temperature=1, seed=0,
+                                                     ignore_eos=True))
+    assert len(sampled.token_ids) == 20 and max(sampled.token_ids) < len(tokenizer)
+
+
+def test_greedy_ignores_generator_state(decoder):
+    torch.manual_seed(0)
+    a = decoder.generate("abc", SamplingParams(max_new_tokens=10))
+    torch.manual_seed(1)
+    assert decoder.generate("abc", SamplingParams(max_new_tokens=10)).token_ids == a.token_ids

@@ -1,0 +1,68 @@
+"""The command line: --json output, streaming text, and errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from verispec.cli import main
+
+STAT_FIELDS = {"target_forwards", "drafted", "checked", "accepted", "acceptance_rate",
+               "per_position_acceptance", "tokens_per_forward", "expected_tokens", "wall_s",
+               "tokens_per_s"}
+
+
+def run_json(capsys, *args):
+    assert main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_output_and_ngram_equals_plain(capsys, model_folders):
+    common = ["abcabcabc", "--target", str(model_folders / "target"), "--temperature", "0",
+              "--max-new-tokens", "24", "--ignore-eos"]
+    spec = run_json(capsys, *common, "--draft", "ngram")
+    plain = run_json(capsys, *common, "--draft", "none")
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
+    assert set(spec["stats"]) >= STAT_FIELDS
+    assert plain["stats"]["drafted"] == 0 and plain["stats"]["tokens_per_forward"] == 1.0
+
+
+def test_draft_model_and_sampling_flags(capsys, model_folders):
+    out = run_json(capsys, "hello", "--target", str(model_folders / "target"), "--draft",
+                   str(model_folders / "draft"), "--k", "3", "--temperature", "0.8",
+                   "--top-k", "20", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3",
+                   "--max-new-tokens", "16", "--ignore-eos")
+    assert len(out["token_ids"]) == 16 and out["stats"]["drafted"] > 0
+
+
+def test_streaming_prints_text_and_stats(capsys, model_folders):
+    assert main(["generate", "abc", "--target", str(model_folders / "target"),
+                 "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "tok/s" in captured.err and "acceptance" in captured.err
+
+
+def test_bad_input_exits_2_with_a_message(capsys, model_folders, tmp_path):
+    target = str(model_folders / "target")
+    cases = [
+        ["generate", "", "--target", target],
+        ["generate", "x", "--target", target, "--k", "-1"],
+        ["generate", "x", "--target", target, "--temperature", "-1"],
+        ["generate", "x", "--target", target, "--top-p", "1.5"],
+        ["generate", "x", "--target", target, "--max-new-tokens", "0"],
+        ["generate", "x", "--target", str(tmp_path / "missing")],
+    ]
+    for argv in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") or "\nerror: " in err
+        assert "Traceback" not in err
+
+
+def test_console_script_reports_missing_model_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "verispec.cli", "generate", "hi", "--target",
+         str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "error: model not found" in result.stderr and "Traceback" not in result.stderr

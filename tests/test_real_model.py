@@ -1,0 +1,67 @@
+"""On the embedded SmolLM2-135M-Instruct: speculative greedy equals plain greedy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from verispec import SamplingParams, SpeculativeDecoder, loading
+from verispec.drafters import NgramDrafter
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "Summarize: The meeting moved from Tuesday to Thursday because the room on Tuesday was "
+    "booked. On Thursday the meeting starts at 10 and ends at 11.",
+    "Write a Python function that returns the factorial of n.",
+    "What is the capital of France? Answer in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    try:
+        return loading.load(None)
+    except loading.ModelNotFoundError as err:
+        pytest.fail(f"the embedded model must be installed by the README's setup: {err}")
+
+
+def test_ngram_greedy_equals_plain_greedy(smollm):
+    model, tokenizer = smollm
+    plain = SpeculativeDecoder(model, tokenizer, drafter=None)
+    spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=5)
+    params = SamplingParams(max_new_tokens=48)
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, params)
+        got = spec.generate(prompt, params)
+        assert got.token_ids == expected.token_ids
+        assert got.text == expected.text
+        accepted += got.stats.accepted
+    assert accepted > 0  # the lookup did propose tokens the target kept
+
+
+def test_model_as_its_own_draft_is_always_accepted(smollm):
+    from verispec.drafters import ModelDrafter
+
+    model, tokenizer = smollm
+    spec = SpeculativeDecoder(model, tokenizer, ModelDrafter(model, model.config.vocab_size), k=3)
+    out = spec.generate(PROMPTS[2], SamplingParams(max_new_tokens=12, temperature=0.7, seed=0,
+                                                   ignore_eos=True))
+    assert out.stats.acceptance_rate == 1.0
+
+
+def test_cli_json_ngram_matches_none():
+    def run(draft):
+        result = subprocess.run(
+            [sys.executable, "-m", "verispec.cli", "generate", PROMPTS[0], "--temperature", "0",
+             "--max-new-tokens", "32", "--json", "--draft", draft],
+            capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(result.stdout)
+
+    spec, plain = run("ngram"), run("none")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["text"] and spec["stats"]["target_forwards"] < plain["stats"]["target_forwards"]

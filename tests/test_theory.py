@@ -1,0 +1,35 @@
+import pytest
+
+from verispec.theory import expected_speedup, expected_tokens, optimal_k
+
+
+def test_expected_tokens_formula_values():
+    # The formula, not the 3.08 / 3.93 quoted in one write-up.
+    assert expected_tokens(0.7, 5) == pytest.approx(2.94, abs=5e-3)
+    assert expected_tokens(0.8, 5) == pytest.approx(3.69, abs=5e-3)
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(0.5, 0) == 1.0
+
+
+def test_expected_tokens_is_a_geometric_sum():
+    for gamma in (0.1, 0.5, 0.9):
+        for k in range(8):
+            assert expected_tokens(gamma, k) == pytest.approx(sum(gamma**i for i in range(k + 1)))
+
+
+def test_expected_speedup_and_optimal_k():
+    assert expected_speedup(0.8, 0, 0.1) == 1.0
+    assert expected_speedup(0.8, 4, 0.05) == pytest.approx(expected_tokens(0.8, 4) / 1.2)
+    assert optimal_k(0.0, 0.1) == 0  # nothing is ever accepted: do not speculate
+    assert optimal_k(0.9, 1.0) == 0  # a draft as slow as the target never pays
+    k = optimal_k(0.8, 0.05)
+    assert 1 <= k <= 16
+    assert all(expected_speedup(0.8, k, 0.05) >= expected_speedup(0.8, j, 0.05)
+               for j in range(1, 17))
+
+
+@pytest.mark.parametrize("gamma", [-0.1, 1.5])
+def test_gamma_outside_unit_interval_is_refused(gamma):
+    with pytest.raises(ValueError):
+        expected_tokens(gamma, 3)

@@ -1,0 +1,205 @@
+"""rejection_sample and greedy_verify: table tests, the exact identity, Monte Carlo."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from verispec.verify import PAD_TOKEN, greedy_verify, rejection_sample, residual
+
+V = 6
+
+
+def one_hot(*tokens, eps=0.0):
+    """Near one-hot rows: mass 1 - eps on the token, eps spread over the rest."""
+    probs = torch.full((len(tokens), V), eps / (V - 1), dtype=torch.float64)
+    for row, token in enumerate(tokens):
+        probs[row, token] = 1.0 - eps
+    return probs
+
+
+def run(draft_tokens, draft_probs, target_probs, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return rejection_sample(torch.tensor([draft_tokens]),
+                            None if draft_probs is None else draft_probs.unsqueeze(0),
+                            target_probs.unsqueeze(0), generator)
+
+
+def test_early_mismatch_rejects_and_recovers_the_target_token():
+    # The target is certain of 1, 4, ...; the draft proposes 1, 2, 3 (certain of its own).
+    tokens, accepted = run([1, 2, 3], one_hot(1, 2, 3), one_hot(1, 4, 5, 0))
+    assert accepted.tolist() == [1]
+    assert tokens.tolist() == [[1, 4, PAD_TOKEN, PAD_TOKEN]]
+
+
+def test_full_accept_adds_the_bonus_token():
+    tokens, accepted = run([1, 2, 3], one_hot(1, 2, 3), one_hot(1, 2, 3, 5))
+    assert accepted.tolist() == [3]
+    assert tokens.tolist() == [[1, 2, 3, 5]]
+
+
+def test_first_position_rejection():
+    tokens, accepted = run([0, 2], one_hot(0, 2), one_hot(3, 2, 1))
+    assert accepted.tolist() == [0]
+    assert tokens.tolist() == [[3, PAD_TOKEN, PAD_TOKEN]]
+
+
+def test_deterministic_draft_accepts_with_target_probability():
+    tokens, accepted = run([1, 2], None, one_hot(1, 2, 4))
+    assert tokens.tolist() == [[1, 2, 4]] and accepted.tolist() == [2]
+    # p(x) = 0 always rejects, and the recovered token never repeats the draft token.
+    target = one_hot(1, 2, 4, eps=0.5)
+    target[0, 3] = 0.0
+    target[0] /= target[0].sum()
+    for seed in range(50):
+        tokens, accepted = run([3, 2], None, target, seed)
+        assert accepted.item() == 0 and tokens[0, 0].item() != 3
+
+
+def test_draft_token_with_zero_draft_probability_is_accepted_if_target_allows():
+    draft = one_hot(1, 2)
+    tokens, accepted = run([3, 2], draft, one_hot(3, 2, 0, eps=0.1))
+    assert accepted.item() >= 1 and tokens[0, 0].item() == 3
+
+
+def test_equal_distributions_always_accept():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(4, V, dtype=torch.float64, generator=generator), -1)
+    for seed in range(50):
+        _, accepted = run([0, 1, 2], probs[:3], probs, seed)
+        assert accepted.item() == 3
+
+
+def test_k_zero_is_plain_sampling():
+    tokens, accepted = run([], one_hot()[:0], one_hot(4))
+    assert tokens.tolist() == [[4]] and accepted.tolist() == [0]
+    tokens, accepted = run([], None, one_hot(2))
+    assert tokens.tolist() == [[2]]
+
+
+def test_rows_with_different_outcomes():
+    draft_tokens = torch.tensor([[1, 2], [1, 2], [3, 3]])
+    draft_probs = torch.stack([one_hot(1, 2), one_hot(1, 2), one_hot(3, 3)])
+    target_probs = torch.stack([one_hot(1, 2, 0), one_hot(1, 5, 0), one_hot(4, 4, 4)])
+    tokens, accepted = rejection_sample(draft_tokens, draft_probs, target_probs)
+    assert accepted.tolist() == [2, 1, 0]
+    assert tokens.tolist() == [[1, 2, 0], [1, 5, PAD_TOKEN], [4, PAD_TOKEN, PAD_TOKEN]]
+
+
+def test_exact_identity_accept_plus_residual_equals_target():
+    """q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) residual(x) = p(x), exactly."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        alpha = torch.rand(1, generator=generator).item() * 2 + 0.05
+        gamma = torch.distributions.Dirichlet(torch.full((V,), alpha))
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+        target, draft = gamma.sample().double(), gamma.sample().double()
+        draft[torch.randint(0, V, (1,))] = 0.0  # exercise q(x) = 0
+        draft, target = draft / draft.sum(), target / target.sum()
+        ratio = torch.where(draft > 0, target / draft, torch.zeros_like(draft))
+        accept_mass = draft * ratio.clamp(max=1.0)  # q(x) min(1, p(x)/q(x))
+        reject_mass = 1.0 - accept_mass.sum()
+        total = accept_mass + reject_mass * residual(target, draft)
+        torch.testing.assert_close(total, target, rtol=0, atol=1e-12)
+
+
+def test_residual_of_equal_distributions_falls_back_to_target():
+    probs = one_hot(2, eps=0.3)[0]
+    assert torch.equal(residual(probs, probs), probs)
+
+
+def test_greedy_verify_table():
+    logits = torch.full((1, 4, V), -1.0)
+    for position, token in enumerate([5, 1, 2, 4]):
+        logits[0, position, token] = 1.0
+    tokens, accepted = greedy_verify(torch.tensor([[5, 1, 3]]), logits)
+    assert tokens.tolist() == [[5, 1, 2, PAD_TOKEN]] and accepted.tolist() == [2]
+    tokens, accepted = greedy_verify(torch.tensor([[5, 1, 2]]), logits)
+    assert tokens.tolist() == [[5, 1, 2, 4]] and accepted.tolist() == [3]
+    tokens, accepted = greedy_verify(torch.empty(1, 0, dtype=torch.long), logits[:, :1])
+    assert tokens.tolist() == [[5]] and accepted.tolist() == [0]
+
+
+# --- Monte Carlo through the real function --------------------------------------------------
+
+N = 200_000
+
+
+def random_pair(seed):
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.softmax(torch.randn(3, V, generator=generator, dtype=torch.float64) * 1.5, -1)
+    target = torch.softmax(torch.randn(4, V, generator=generator, dtype=torch.float64) * 1.5, -1)
+    return draft, target  # [K, V], [K+1, V]
+
+
+def emitted_first_tokens(sampler, draft, target, seed):
+    """Draw N drafts from q, verify each, return the first emitted token of every row."""
+    generator = torch.Generator().manual_seed(seed)
+    draft_tokens = torch.multinomial(draft, N, replacement=True, generator=generator).T  # [N, K]
+    tokens, _ = sampler(draft_tokens, draft.expand(N, -1, -1), target.expand(N, -1, -1),
+                        generator)
+    return tokens
+
+
+def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    """Negative control: accepts every draft token, so it outputs the draft's distribution."""
+    batch = draft_tokens.shape[0]
+    bonus = torch.multinomial(target_probs[:, -1], 1, generator=generator)
+    return torch.cat([draft_tokens, bonus], 1), torch.full((batch,), draft_tokens.shape[1])
+
+
+def chi2_pvalue(samples, probs):
+    counts = torch.bincount(samples, minlength=V).double()
+    expected = probs.double() / probs.double().sum() * len(samples)
+    return chisquare(counts.numpy(), expected.numpy()).pvalue
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_first_token_is_distributed_as_target(seed):
+    draft, target = random_pair(seed)
+    tokens = emitted_first_tokens(rejection_sample, draft, target, seed)
+    assert chi2_pvalue(tokens[:, 0], target[0]) > 1e-3
+
+
+def test_second_token_given_first_accepted_is_distributed_as_target():
+    # Positions are independent here, so the second emitted token must follow target[1].
+    draft, target = random_pair(7)
+    tokens = emitted_first_tokens(rejection_sample, draft, target, 7)
+    second = tokens[:, 1][tokens[:, 1] != PAD_TOKEN]
+    assert len(second) > N // 10
+    assert chi2_pvalue(second, target[1]) > 1e-3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_negative_control_always_accept_fails_the_same_test(seed):
+    draft, target = random_pair(seed)
+    tokens = emitted_first_tokens(always_accept, draft, target, seed)
+    assert chi2_pvalue(tokens[:, 0], target[0]) < 1e-6
+
+
+def test_deterministic_draft_monte_carlo():
+    _, target = random_pair(3)
+    generator = torch.Generator().manual_seed(3)
+    draft_tokens = torch.full((N, 2), 4, dtype=torch.long)  # always proposes token 4
+    tokens, _ = rejection_sample(draft_tokens, None, target[:3].expand(N, -1, -1), generator)
+    assert chi2_pvalue(tokens[:, 0], target[0]) > 1e-3
+
+
+def test_distance_to_target_shrinks_with_samples():
+    draft, target = random_pair(5)
+    distances = []
+    for n in (1_000, 10_000, 100_000):
+        generator = torch.Generator().manual_seed(n)
+        draft_tokens = torch.multinomial(draft, n, replacement=True, generator=generator).T
+        tokens, _ = rejection_sample(draft_tokens, draft.expand(n, -1, -1),
+                                     target.expand(n, -1, -1), generator)
+        empirical = torch.bincount(tokens[:, 0], minlength=V).double() / n
+        distances.append(0.5 * (empirical - target[0].double()).abs().sum().item())
+    assert distances[0] > distances[1] > distances[2]
+    assert distances[2] < 0.01
+
+
+def test_seeded_determinism():
+    draft, target = random_pair(9)
+    first = emitted_first_tokens(rejection_sample, draft, target, 11)
+    again = emitted_first_tokens(rejection_sample, draft, target, 11)
+    assert torch.equal(first, again)
