@@ -112,9 +112,7 @@ def cache_root() -> Path:
 def _safetensors_cache(source: ModelSource) -> Path:
     """Dequantise a GGUF once into a safetensors folder; return that folder."""
     gguf_path = source.folder / source.gguf_file
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    target = cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    target = cache_root() / f"{gguf_path.stem}-{_content_key(gguf_path)}"
     if (target / "config.json").is_file():
         return target
     log.info("dequantising %s once (cached in %s)", gguf_path.name, target)
@@ -132,6 +130,15 @@ def _safetensors_cache(source: ModelSource) -> Path:
         if not (target / "config.json").is_file():
             raise
     return target
+
+
+def _content_key(path: Path) -> str:
+    """A key that follows the file's content, not its location (every venv has its own copy of
+    the embedded model): the size and a hash of the first 4 MiB."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as file:
+        digest.update(file.read(4 << 20))
+    return digest.hexdigest()[:12]
 
 
 def _save_dequantised(model: PreTrainedModel, folder: Path) -> None:
