@@ -18,7 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt", help="the user message (chat template applied unless --no-chat)")
     add_model_args(gen)
-    gen.add_argument("--k", type=int, default=5, help="draft tokens per round (default 5)")
+    gen.add_argument("--k", default="5",
+                     help="draft tokens per round: a number (default 5), 'auto' (chosen each "
+                          "round from measured costs) or 'heuristic' (+2/-1 schedule)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -15,6 +15,15 @@ from verispec.drafters import Drafter, ModelDrafter, NgramDrafter
 from verispec.engine import speculate
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
+from verispec.policy import (
+    AdaptiveK,
+    CostModel,
+    FixedK,
+    HeuristicK,
+    KPolicy,
+    measure_costs,
+    parse_k,
+)
 from verispec.runtime import CachedModel
 from verispec.sampling import make_generator
 from verispec.stats import GenerationStats, StatsRecorder
@@ -23,6 +32,8 @@ from verispec.text import TextStream
 log = logging.getLogger("verispec")
 
 Prompt = str | Sequence[int]
+DEFAULT_K = 5
+AUTO_K_MAX = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,24 +60,49 @@ class SpeculativeDecoder:
         target: PreTrainedModel,
         tokenizer=None,
         drafter: Drafter | None = None,
-        k: int = 5,
+        k: int | str = 5,
         chat: bool = True,
     ) -> None:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        k = parse_k(k)
         self.target = CachedModel(target)
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.k = k if drafter is not None else 0
         self.chat = chat
         self.eos_ids = _eos_ids(target, tokenizer)
+        self._costs: CostModel | None = None
+
+    @property
+    def costs(self) -> CostModel:
+        """The measured cost model (draft step and verification costs), measured once."""
+        if self._costs is None:
+            self._costs = measure_costs(self.target, self.drafter, k_max=AUTO_K_MAX)
+            log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s, target step %.1f ms",
+                     self._costs.draft_step, AUTO_K_MAX + 1,
+                     " ".join(f"{v:.2f}" for v in self._costs.verify),
+                     self._costs.target_step_s * 1e3)
+        return self._costs
+
+    def reset(self) -> None:
+        """Drop the KV caches, so the next request pays its full prompt pass (benchmarks)."""
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def new_policy(self) -> KPolicy:
+        """A fresh K policy for one request."""
+        if self.k == "auto":
+            return AdaptiveK(self.costs)
+        if self.k == "heuristic":
+            return HeuristicK(k=DEFAULT_K)
+        return FixedK(self.k)
 
     @classmethod
     def from_pretrained(
         cls,
         target: str | os.PathLike | None = None,
         draft: str | os.PathLike | None = "default",
-        k: int = 5,
+        k: int | str = 5,
         dtype: str = "float32",
         device: str = "cpu",
         chat: bool = True,
@@ -74,9 +110,9 @@ class SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (the best drafter shipped for the target: n-gram lookup for now),
         "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None (plain
-        decoding)."""
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        decoding). k: draft tokens per round, "auto" (chosen each round from measured costs
+        and the running acceptance rate) or "heuristic" (transformers' +2/-1 schedule)."""
+        k = parse_k(k)
         model, tokenizer = loading.load(target, dtype=dtype, device=device)
         drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device)
         return cls(model, tokenizer, drafter, k=k, chat=chat)
@@ -100,8 +136,8 @@ class SpeculativeDecoder:
         stats = StatsRecorder(k=self.k)
         text = TextStream(self.tokenizer, params.stop)
         generator = make_generator(params.seed, self.target.device)
-        rounds = speculate(self.target, self.drafter, prompt_ids, params, self.k, self.eos_ids,
-                           generator, stats)
+        rounds = speculate(self.target, self.drafter, prompt_ids, params, self.new_policy(),
+                           self.eos_ids, generator, stats)
         last_piece, last_ids = "", []
         for new_ids in rounds:
             start = len(text.ids)

@@ -14,6 +14,7 @@ import torch
 
 from verispec.drafters.base import Drafter, empty_draft
 from verispec.params import SamplingParams
+from verispec.policy import KPolicy
 from verispec.runtime import CachedModel
 from verispec.sampling import warp
 from verispec.stats import StatsRecorder
@@ -25,7 +26,7 @@ def speculate(
     drafter: Drafter | None,
     prompt_ids: torch.Tensor,  # [L] long, on the cpu
     params: SamplingParams,
-    k: int,
+    policy: KPolicy,
     eos_ids: frozenset[int],
     generator: torch.Generator | None,
     stats: StatsRecorder,
@@ -37,7 +38,7 @@ def speculate(
     generated = 0
     while generated < budget:
         # 1. Draft: a round emits at least one token, so drafting past budget - 1 is wasted.
-        num_draft = min(k, budget - generated - 1)
+        num_draft = min(policy.next_k(), budget - generated - 1)
         draft = (drafter.propose(history, num_draft, params, generator)
                  if drafter is not None and num_draft > 0 else empty_draft())
         draft_tokens = draft.tokens.unsqueeze(0).to(target.device)  # [1, K']
@@ -61,6 +62,7 @@ def speculate(
                 if token in eos_ids:
                     new_tokens, hit_eos = new_tokens[: i + 1], True
                     break
+        policy.update(len(draft), accepted)
         stats.record_round(len(draft), accepted, len(new_tokens))
         history = torch.cat([history, torch.tensor(new_tokens, dtype=torch.long)])
         generated += len(new_tokens)

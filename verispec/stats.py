@@ -26,8 +26,10 @@ class GenerationStats:
     accepted: int
     acceptance_rate: float
     per_position_acceptance: list[float]
+    per_position_checked: list[int]  # the denominators of per_position_acceptance
     tokens_per_forward: float
     expected_tokens: float
+    mean_k: float  # draft tokens per round
     ttft_s: float
     wall_s: float
     tokens_per_s: float
@@ -40,12 +42,13 @@ class GenerationStats:
 class StatsRecorder:
     """Accumulates per-round counts during a generation."""
 
-    k: int
+    k: int | str
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     new_tokens: int = 0
     target_forwards: int = 0
     drafted: int = 0
+    rounds_by_draft_length: dict[int, int] = field(default_factory=dict)
     position_checked: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
 
@@ -56,6 +59,8 @@ class StatsRecorder:
             self.first_token_at = time.perf_counter()
         self.target_forwards += 1
         self.drafted += num_drafted
+        lengths = self.rounds_by_draft_length
+        lengths[num_drafted] = lengths.get(num_drafted, 0) + 1
         self.new_tokens += num_emitted
         num_checked = min(num_accepted + 1, num_drafted)
         while len(self.position_checked) < num_checked:
@@ -70,6 +75,7 @@ class StatsRecorder:
         checked = sum(self.position_checked)
         accepted = sum(self.position_accepted)
         rate = accepted / checked if checked else 0.0
+        rounds = max(self.target_forwards, 1)
         return GenerationStats(
             k=self.k,
             new_tokens=self.new_tokens,
@@ -81,8 +87,11 @@ class StatsRecorder:
             per_position_acceptance=[
                 a / c for a, c in zip(self.position_accepted, self.position_checked, strict=True)
             ],
+            per_position_checked=list(self.position_checked),
             tokens_per_forward=self.new_tokens / max(self.target_forwards, 1),
-            expected_tokens=expected_tokens(rate, self.k),
+            expected_tokens=sum(expected_tokens(rate, k) * n
+                                for k, n in self.rounds_by_draft_length.items()) / rounds,
+            mean_k=self.drafted / rounds,
             ttft_s=(self.first_token_at or time.perf_counter()) - self.started,
             wall_s=wall_s,
             tokens_per_s=self.new_tokens / wall_s if wall_s > 0 else 0.0,

@@ -7,6 +7,8 @@ Example: gamma = 0.8, K = 5 -> (1 - 0.8^6) / 0.2 = 3.69 tokens per target pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def expected_tokens(gamma: float, k: int) -> float:
     """Expected tokens emitted per target pass: (1 - gamma^(k+1)) / (1 - gamma)."""
@@ -29,12 +31,26 @@ def expected_speedup(gamma: float, k: int, cost_ratio: float, verify_cost: float
     return expected_tokens(gamma, k) / (k * cost_ratio + verify_cost)
 
 
-def optimal_k(gamma: float, cost_ratio: float, verify_cost: float = 1.0, k_max: int = 16) -> int:
+def optimal_k(
+    gamma: float,
+    cost_ratio: float,
+    verify_cost: float | Sequence[float] = 1.0,
+    k_max: int = 16,
+) -> int:
     """The K in [0, k_max] with the highest expected speedup; 0 when speculation does not pay
-    (K = 0 is plain decoding, speedup 1 by definition)."""
+    (K = 0 is plain decoding, speedup 1 by definition).
+
+    verify_cost is one number for every K, or a sequence where verify_cost[k] is the cost of a
+    target pass over k + 1 positions (verify_cost[0] == 1 by definition); K is then capped at
+    len(verify_cost) - 1.
+    """
+    if isinstance(verify_cost, int | float):
+        costs = [1.0] + [float(verify_cost)] * k_max
+    else:
+        costs = [float(c) for c in verify_cost][: k_max + 1]
     best_k, best = 0, 1.0
-    for k in range(1, k_max + 1):
-        speedup = expected_speedup(gamma, k, cost_ratio, verify_cost)
+    for k in range(1, len(costs)):
+        speedup = expected_speedup(gamma, k, cost_ratio, costs[k])
         if speedup > best + 1e-12:
             best_k, best = k, speedup
     return best_k

@@ -30,6 +30,10 @@ class Drafter(Protocol):
         generator: torch.Generator | None,
     ) -> Draft: ...
 
+    def reset(self) -> None:
+        """Forget cached state (a draft model's KV cache); the next proposal starts cold."""
+        ...
+
 
 def empty_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)

@@ -25,6 +25,9 @@ class ModelDrafter:
         self.runner = CachedModel(model)
         self.target_vocab_size = target_vocab_size
 
+    def reset(self) -> None:
+        self.runner.reset()
+
     def propose(
         self,
         history: torch.Tensor,  # [L] long

@@ -24,6 +24,9 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
+    def reset(self) -> None:
+        pass  # stateless
+
     def propose(
         self,
         history: torch.Tensor,  # [L] long

@@ -1,0 +1,91 @@
+"""K policies: HF's heuristic schedule, the cost model, adaptive K, and exactness under them."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import EOS_ID, perturbed_copy
+
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.policy import AdaptiveK, CostModel, HeuristicK, measure_costs, parse_k
+from verispec.runtime import CachedModel
+from verispec.theory import optimal_k
+
+
+def test_heuristic_schedule_plus_two_minus_one():
+    policy = HeuristicK(k=5, k_max=8)
+    ks = []
+    for drafted_accepted in [(5, 5), (7, 2), (6, 6), (8, 8), (8, 0), (7, 0)]:
+        policy.update(*drafted_accepted)
+        ks.append(policy.next_k())
+    assert ks == [7, 6, 8, 8, 7, 6]
+    policy = HeuristicK(k=1)
+    policy.update(1, 0)
+    assert policy.next_k() == 1  # never below 1
+
+
+def costs(draft_step, verify):
+    return CostModel(draft_step=draft_step, verify=tuple(verify), target_step_s=0.05)
+
+
+def test_adaptive_k_follows_acceptance():
+    flat = costs(0.05, [1.0] + [1.05] * 8)
+    policy = AdaptiveK(flat)
+    start = policy.next_k()
+    for _ in range(10):
+        policy.update(policy.next_k(), policy.next_k())  # every draft accepted
+    assert policy.next_k() > start and policy.gamma > 0.9
+    for _ in range(30):
+        policy.update(max(policy.next_k(), 1), 0)  # every draft rejected at its first token
+    assert policy.gamma < 0.2 and policy.next_k() <= 1
+
+
+def test_adaptive_k_is_zero_when_speculation_cannot_pay():
+    expensive = costs(1.0, [1.0, 2.0, 3.0, 4.0])  # draft as slow as the target
+    policy = AdaptiveK(expensive)
+    assert policy.next_k() == 0
+
+
+def test_adaptive_k_probes_again_after_a_bad_patch():
+    policy = AdaptiveK(costs(0.02, [1.0, 1.3, 1.5, 1.7, 1.9]), decay=0.8)
+    for _ in range(20):
+        policy.update(2, 0)
+    assert policy.next_k() == 0
+    for _ in range(40):
+        policy.update(0, 0)  # plain steps: no evidence, the estimate returns to the prior
+    assert policy.next_k() > 0
+
+
+def test_optimal_k_with_a_verify_curve():
+    assert optimal_k(0.8, 0.0, [1.0, 1.0, 1.0, 1.0]) == 3  # free verification: draft all
+    assert optimal_k(0.8, 0.0, [1.0, 1.9, 2.8]) == 0  # every extra position costs ~ a step
+
+
+def test_measure_costs_on_a_real_runtime(text_target):
+    model = CachedModel(text_target)
+    measured = measure_costs(model, NgramDrafter(), k_max=4, context=32, repeats=3)
+    assert len(measured.verify) == 5 and measured.verify[0] == 1.0
+    assert all(a <= b for a, b in zip(measured.verify, measured.verify[1:], strict=False))
+    assert measured.draft_step >= 0 and measured.target_step_s > 0
+
+
+@pytest.mark.parametrize("k", ["auto", "heuristic"])
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_variable_k_keeps_greedy_exact(text_target, tokenizer, k, drafter):
+    draft = (ModelDrafter(perturbed_copy(text_target, 0.02, 0), EOS_ID + 1)
+             if drafter == "model" else NgramDrafter())
+    spec = SpeculativeDecoder(text_target, tokenizer, draft, k=k)
+    plain = SpeculativeDecoder(text_target, tokenizer, None)
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    for prompt in ["hello world, hello world", "abcabcabc"]:
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+
+
+@pytest.mark.parametrize("bad", [-1, "fast", 1.5, None])
+def test_parse_k_rejects_nonsense(bad):
+    with pytest.raises(ValueError, match="k must be"):
+        parse_k(bad)
+
+
+def test_parse_k_accepts_cli_strings():
+    assert parse_k("7") == 7 and parse_k("auto") == "auto" and parse_k(0) == 0

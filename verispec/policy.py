@@ -1,0 +1,147 @@
+"""How many tokens to draft each round: fixed, HF's heuristic schedule, or chosen from costs.
+
+`AdaptiveK` picks, every round, the K that maximises the expected speedup
+    expected_tokens(gamma, K) / (K * c + v(K + 1))
+with gamma a running per-request estimate of the acceptance rate, c the draft step cost and
+v(n) the cost of a target pass over n positions, both relative to a one-token target step and
+measured on this machine (`measure_costs`). K = 0 (a plain decoding step) when nothing pays.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from verispec.params import SamplingParams
+from verispec.theory import optimal_k
+
+
+class KPolicy(Protocol):
+    def next_k(self) -> int: ...
+
+    def update(self, num_drafted: int, num_accepted: int) -> None: ...
+
+
+@dataclass(slots=True)
+class FixedK:
+    k: int
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class HeuristicK:
+    """Transformers' schedule for assistant models: +2 after a round whose draft was accepted
+    whole, -1 otherwise, within [1, k_max]."""
+
+    k: int
+    k_max: int = 16
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        step = 2 if num_accepted == num_drafted else -1
+        self.k = min(self.k_max, max(1, self.k + step))
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Measured costs, in units of one one-token target step."""
+
+    draft_step: float  # c: one draft token
+    verify: tuple[float, ...]  # verify[k] = v(k + 1): a target pass over k + 1 positions
+    target_step_s: float  # the unit, in seconds
+
+    @property
+    def k_max(self) -> int:
+        return len(self.verify) - 1
+
+
+@dataclass(slots=True)
+class AdaptiveK:
+    """K from the cost model and a running estimate of gamma.
+
+    gamma = (accepted_w + prior * prior_weight) / (checked_w + prior_weight), where the weighted
+    counts decay by `decay` each round: recent rounds matter most, and after rounds without
+    evidence the estimate drifts back to the prior, so K = 0 is eventually probed again.
+    """
+
+    costs: CostModel
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.85
+    accepted_w: float = 0.0
+    checked_w: float = 0.0
+
+    @property
+    def gamma(self) -> float:
+        return ((self.accepted_w + self.prior * self.prior_weight)
+                / (self.checked_w + self.prior_weight))
+
+    def next_k(self) -> int:
+        return optimal_k(self.gamma, self.costs.draft_step, self.costs.verify, self.costs.k_max)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        checked = min(num_accepted + 1, num_drafted)
+        self.accepted_w = self.decay * self.accepted_w + num_accepted
+        self.checked_w = self.decay * self.checked_w + checked
+
+
+def parse_k(k: int | str) -> int | str:
+    """k as given by a user: an integer >= 0, "auto" or "heuristic"."""
+    if isinstance(k, str) and k.strip().isdigit():
+        k = int(k)
+    if isinstance(k, str) and k in ("auto", "heuristic"):
+        return k
+    if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+        return k
+    raise ValueError(f"k must be an integer >= 0, 'auto' or 'heuristic', got {k!r}")
+
+
+def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: int = 5
+                  ) -> CostModel:
+    """Time target passes over 1..k_max+1 positions and one draft step after `context` tokens.
+
+    Uses the real runtime objects: `target` is a CachedModel, `drafter` any Drafter (None
+    gives c = 0). Medians over `repeats`; the caches are warmed first.
+    """
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(target.vocab_size, 1000)
+    history = torch.randint(0, vocab, (context,), generator=generator)
+    extra = torch.randint(0, vocab, (k_max + 1 + repeats,), generator=generator)
+    target.logits(history, 1)  # prefill, and warm up
+
+    def timed(fn) -> float:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    pass_s = [timed(lambda n=n: target.logits(torch.cat([history, extra[:n]]), n))
+              for n in range(1, k_max + 2)]
+    unit = pass_s[0]
+    draft_s = 0.0
+    if drafter is not None:
+        greedy = SamplingParams()
+        drafter.propose(history, 1, greedy, None)
+        steps = iter(range(1, repeats + 1))
+        draft_s = timed(lambda: drafter.propose(
+            torch.cat([history, extra[: next(steps)]]), 1, greedy, None))
+    # v(n) can only grow with n: a noisy sample below its predecessor is taken as equal.
+    verify = [1.0]
+    for seconds in pass_s[1:]:
+        verify.append(max(verify[-1], seconds / unit))
+    return CostModel(draft_step=draft_s / unit, verify=tuple(verify), target_step_s=unit)
