@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from verispec.bench.config import ALL_METHODS, DEFAULT_METHODS
 from verispec.errors import VerispecError
 
 
@@ -33,6 +34,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, stats} on stdout")
     gen.set_defaults(run=run_generate)
+
+    bench = commands.add_parser("bench", help="verispec vs plain decoding vs transformers")
+    bench.add_argument("--prompts", default=None,
+                       help="Spec-Bench-style question.jsonl (default: a small built-in set)")
+    bench.add_argument("--per-category", type=int, default=2)
+    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                       help=f"comma-separated, from: {', '.join(ALL_METHODS)}")
+    bench.add_argument("--k", default="5",
+                       help="K for verispec's speculative methods; a list (1,2,4,auto,heuristic)"
+                            " runs each")
+    bench.add_argument("--target", default=None)
+    bench.add_argument("--draft", default=None, help="draft model for 'draft' and 'hf-assisted'")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--stop-at-eos", action="store_true",
+                       help="stop at EOS instead of generating exactly --max-new-tokens")
+    bench.add_argument("--hf-ngram-tokens", type=int, default=10,
+                       help="prompt_lookup_num_tokens for hf-ngram (default 10)")
+    bench.add_argument("--out", default="bench_out")
+    bench.set_defaults(run=run_bench)
+
+    costs = commands.add_parser("costs", help="measure the draft/verify cost model")
+    add_model_args(costs)
+    costs.add_argument("--k-max", type=int, default=8)
+    costs.set_defaults(run=run_costs)
     return parser
 
 
@@ -70,6 +99,41 @@ def run_generate(args: argparse.Namespace) -> int:
         output = chunk.output
     sys.stdout.write("\n")
     print(format_stats(output.stats, output.finish_reason), file=sys.stderr)
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verispec.bench import BenchConfig
+    from verispec.bench import run_bench as bench
+
+    config = BenchConfig(
+        prompts=Path(args.prompts) if args.prompts else None, per_category=args.per_category,
+        limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        ks=tuple(k.strip() for k in args.k.split(",") if k.strip()), target=args.target,
+        draft=args.draft, dtype=args.dtype, seed=args.seed, ignore_eos=not args.stop_at_eos,
+        hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out))
+    bench(config)
+    print((config.out / "report.md").read_text())
+    print(f"results in {config.out}/", file=sys.stderr)
+    return 0
+
+
+def run_costs(args: argparse.Namespace) -> int:
+    from verispec import loading
+    from verispec.decoder import make_drafter
+    from verispec.policy import measure_costs
+    from verispec.runtime import CachedModel
+
+    model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device)
+    drafter = make_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device)
+    costs = measure_costs(CachedModel(model), drafter, k_max=args.k_max)
+    print(json.dumps({"dtype": args.dtype, "draft": args.draft,
+                      "target_step_ms": round(costs.target_step_s * 1e3, 2),
+                      "draft_step_c": round(costs.draft_step, 4),
+                      "verify_v": [round(v, 3) for v in costs.verify]}))
     return 0
 
 

@@ -26,7 +26,8 @@ class GenerationStats:
     accepted: int
     acceptance_rate: float
     per_position_acceptance: list[float]
-    per_position_checked: list[int]  # the denominators of per_position_acceptance
+    per_position_accepted: list[int]  # the counts behind per_position_acceptance
+    per_position_checked: list[int]
     tokens_per_forward: float
     expected_tokens: float
     mean_k: float  # draft tokens per round
@@ -87,6 +88,7 @@ class StatsRecorder:
             per_position_acceptance=[
                 a / c for a, c in zip(self.position_accepted, self.position_checked, strict=True)
             ],
+            per_position_accepted=list(self.position_accepted),
             per_position_checked=list(self.position_checked),
             tokens_per_forward=self.new_tokens / max(self.target_forwards, 1),
             expected_tokens=sum(expected_tokens(rate, k) * n

@@ -1,0 +1,49 @@
+"""What a benchmark run measures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from verispec.policy import parse_k
+
+VERISPEC_METHODS = ("baseline", "draft", "ngram")
+HF_METHODS = ("hf-baseline", "hf-assisted", "hf-ngram")
+ALL_METHODS = VERISPEC_METHODS + HF_METHODS
+DEFAULT_METHODS = ("baseline", "ngram", "draft", "hf-baseline", "hf-ngram", "hf-assisted")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    prompts: Path | None = None  # Spec-Bench-style JSONL; None: the built-in prompt set
+    per_category: int = 2
+    limit: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    ks: tuple[int | str, ...] = (5,)  # several: every speculative verispec method runs each
+    target: str | None = None
+    draft: str | None = None  # a draft model for `draft` and `hf-assisted`
+    dtype: str = "float32"
+    seed: int = 0
+    ignore_eos: bool = True  # fixed-length outputs: every method generates max_new_tokens
+    hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example
+    out: Path = Path("bench_out")
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+        if not self.methods:
+            raise ValueError("no methods to run")
+        object.__setattr__(self, "ks", tuple(parse_k(k) for k in self.ks))
+        if not self.ks:
+            raise ValueError("no K to run")
+        if self.per_category < 1 or (self.limit is not None and self.limit < 1):
+            raise ValueError("per_category and limit must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.prompts is not None and not Path(self.prompts).is_file():
+            raise ValueError(f"prompts file not found: {self.prompts}")

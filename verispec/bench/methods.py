@@ -1,0 +1,90 @@
+"""The methods a benchmark compares, all on the same loaded model objects.
+
+verispec methods run through `SpeculativeDecoder`; hf-* methods call transformers'
+`generate` itself (plain, `assistant_model=`, `prompt_lookup_num_tokens=`), so the comparison
+is with the peer's real code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from verispec.decoder import SpeculativeDecoder
+from verispec.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class MethodRun:
+    token_ids: list[int]
+    wall_s: float
+    target_forwards: int
+    accepted: int | None = None  # None where the method does not report acceptance
+    checked: int | None = None
+    per_position_accepted: tuple[int, ...] = ()
+    per_position_checked: tuple[int, ...] = ()
+    expected_tokens: float | None = None
+    mean_k: float | None = None
+
+
+class VerispecMethod:
+    runtime = "verispec"
+
+    def __init__(self, name: str, decoder: SpeculativeDecoder) -> None:
+        self.name = name
+        self.decoder = decoder
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+        self.decoder.reset()  # every method pays its own prompt pass
+        out = self.decoder.generate(prompt_ids, params)
+        stats = out.stats
+        return MethodRun(out.token_ids, stats.wall_s, stats.target_forwards, stats.accepted,
+                         stats.checked, tuple(stats.per_position_accepted),
+                         tuple(stats.per_position_checked), stats.expected_tokens, stats.mean_k)
+
+
+class HFMethod:
+    """transformers' generate with extra arguments; counts the target's forward calls."""
+
+    runtime = "hf"
+
+    def __init__(self, name: str, model: PreTrainedModel, eos_ids: frozenset[int],
+                 **generate_kwargs) -> None:
+        self.name = name
+        self.model = model
+        self.eos_ids = eos_ids
+        self.generate_kwargs = generate_kwargs
+        self._calls = 0
+        model.register_forward_hook(self._count)
+
+    def _count(self, module, args, output) -> None:
+        self._calls += 1
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+        config = generation_config(params, self.eos_ids)
+        input_ids = torch.tensor([prompt_ids], device=self.model.device)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        calls_before = self._calls
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                         generation_config=config, **self.generate_kwargs)
+        wall_s = time.perf_counter() - start
+        return MethodRun(output[0, len(prompt_ids):].tolist(), wall_s,
+                         self._calls - calls_before)
+
+
+def generation_config(params: SamplingParams, eos_ids: frozenset[int]) -> GenerationConfig:
+    """The transformers equivalent of SamplingParams (EOS ignored by passing none)."""
+    eos = sorted(eos_ids)
+    sampling = {} if params.greedy else dict(
+        temperature=params.temperature, top_k=params.top_k or None,
+        top_p=params.top_p if params.top_p < 1 else None, min_p=params.min_p or None)
+    return GenerationConfig(
+        max_new_tokens=params.max_new_tokens, min_new_tokens=None, do_sample=not params.greedy,
+        eos_token_id=None if params.ignore_eos else eos, pad_token_id=eos[0] if eos else 0,
+        **sampling)

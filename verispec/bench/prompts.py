@@ -1,0 +1,94 @@
+"""Benchmark prompts: Spec-Bench's JSONL format, or a small built-in set written for verispec."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPrompt:
+    question_id: str
+    category: str
+    text: str  # the user message; the chat template is applied when encoding
+
+
+def load_jsonl(path: Path, per_category: int, seed: int, limit: int | None = None
+               ) -> list[BenchPrompt]:
+    """Spec-Bench format: one {"question_id", "category", "turns": [...]} per line; turns[0] is
+    the user message. Samples `per_category` questions per category with `seed`, categories in
+    order of first appearance."""
+    by_category: dict[str, list[BenchPrompt]] = defaultdict(list)
+    with Path(path).open() as file:
+        for line_number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt = BenchPrompt(str(row["question_id"]), str(row["category"]),
+                                     str(row["turns"][0]))
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+                raise ValueError(f"{path}:{line_number}: not a Spec-Bench question ({err})"
+                                 ) from None
+            by_category[prompt.category].append(prompt)
+    rng = random.Random(seed)
+    chosen = []
+    for rows in by_category.values():
+        chosen.extend(rng.sample(rows, min(per_category, len(rows))))
+    return chosen[:limit] if limit else chosen
+
+
+def builtin_prompts(per_category: int = 2, limit: int | None = None) -> list[BenchPrompt]:
+    """A small prompt set written for verispec (not Spec-Bench), one or two per category."""
+    chosen = []
+    for category, texts in BUILTIN.items():
+        for i, text in enumerate(texts[:per_category]):
+            chosen.append(BenchPrompt(f"builtin-{category}-{i}", category, text))
+    return chosen[:limit] if limit else chosen
+
+
+_PASSAGE = (
+    "The town council met on Monday to discuss the new cycling lanes on Market Street. "
+    "Residents said the lanes made the street safer for children walking to school, but shop "
+    "owners worried that removing parking spaces would reduce the number of customers. The "
+    "council agreed to run a six-month trial, to count visitors to the shops every week, and "
+    "to vote again in the spring once the numbers are in."
+)
+
+BUILTIN: dict[str, list[str]] = {
+    "summarization": [
+        f"Summarize the following text in two sentences.\n\n{_PASSAGE}",
+        "Summarize: The library will close for renovation from June to August. During that "
+        "time, books can be returned at the community centre, and the online catalogue stays "
+        "open. The reopened library will have a larger children's section and a quiet study "
+        "room on the second floor.",
+    ],
+    "rag": [
+        f"Answer the question using only the document.\n\nDocument: {_PASSAGE}\n\nQuestion: "
+        "How long is the trial, and what will the council count during it?",
+        "Context: Mount Kilimanjaro is a dormant volcano in Tanzania. Its highest peak, Uhuru, "
+        "is 5,895 metres above sea level. Most climbers take five to eight days to reach the "
+        "summit.\n\nQuestion: How high is Uhuru, and in which country is the mountain?",
+    ],
+    "extraction": [
+        "Extract every person's name and age from this text as a JSON list: Alice is 31 and "
+        "works as a nurse, Bob is 27 and studies law, and Carol, who is 45, teaches music.",
+        "List the dates and events in this note as bullet points: On March 3 the team "
+        "kicked off the project. On April 10 the first prototype was shown. On May 22 the "
+        "product was released.",
+    ],
+    "translation": ["Translate into French: The weather is nice today, so we will walk to "
+                    "the park after lunch.",
+                    "Translate into German: Where is the train station?"],
+    "coding": ["Write a Python function that checks whether a string is a palindrome.",
+               "Write a SQL query that returns the ten most recent orders from a table "
+               "named orders."],
+    "math": ["What is 17 multiplied by 23? Show your working.",
+             "Solve for x: 3x + 7 = 22."],
+    "qa": ["What is the capital of Australia?", "Why is the sky blue?"],
+    "writing": ["Write a short, friendly email inviting a colleague to lunch on Friday.",
+                "Write a four-line poem about autumn leaves."],
+}

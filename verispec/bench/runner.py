@@ -1,0 +1,128 @@
+"""Run every method on every prompt, interleaved, and write the results."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from dataclasses import asdict
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from verispec import loading
+from verispec.bench.config import BenchConfig
+from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
+from verispec.bench.prompts import builtin_prompts, load_jsonl
+from verispec.bench.report import summarise, write_outputs
+from verispec.decoder import SpeculativeDecoder, _vocab_size, check_vocab
+from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.params import SamplingParams
+
+log = logging.getLogger("verispec")
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> dict:
+    """Measure, write results.json / report.md / plots into config.out, return the results."""
+    # 1. Models, loaded once and shared by every method.
+    model, tokenizer = loading.load(config.target, dtype=config.dtype)
+    draft_model = None
+    if config.draft is not None:
+        draft_model, draft_tokenizer = loading.load(config.draft, dtype=config.dtype)
+        check_vocab(model, tokenizer, draft_model, draft_tokenizer)
+    methods, notes = build_methods(config, model, tokenizer, draft_model)
+
+    # 2. Prompts, encoded once with the chat template.
+    prompts = (load_jsonl(config.prompts, config.per_category, config.seed, config.limit)
+               if config.prompts else builtin_prompts(config.per_category, config.limit))
+    encoder = SpeculativeDecoder(model, tokenizer, None)
+    prompt_ids = [encoder.encode(p.text, chat=True).tolist() for p in prompts]
+
+    # 3. Warm-up (and the cost model of every adaptive method), then the interleaved runs.
+    costs = {}
+    for method in methods:
+        method.run(prompt_ids[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        decoder = getattr(method, "decoder", None)
+        if decoder is not None and decoder.k == "auto":
+            costs[method.name] = asdict(decoder.costs)
+    records = []
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run",
+               disable=not progress, file=sys.stderr)
+    for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
+        params = SamplingParams(max_new_tokens=config.max_new_tokens,
+                                temperature=config.temperature, seed=config.seed + i,
+                                ignore_eos=config.ignore_eos)
+        runs: dict[str, MethodRun] = {}
+        for method in rotated(methods, i):  # machine noise hits every method alike
+            bar.set_postfix_str(f"{prompt.category}: {method.name}")
+            runs[method.name] = method.run(ids, params)
+            bar.update()
+        records.extend(prompt_records(prompt, len(ids), methods, runs, params.greedy))
+    bar.close()
+
+    results = summarise(records, methods, config.ks)
+    results.update(config=config_dict(config), machine=machine_info(config), costs=costs,
+                   notes=notes)
+    write_outputs(results, config.out)
+    return results
+
+
+def build_methods(config: BenchConfig, model, tokenizer, draft_model):
+    methods, notes = [], []
+    eos_ids = SpeculativeDecoder(model, tokenizer, None).eos_ids
+    for name in config.methods:
+        if name in ("draft", "hf-assisted") and draft_model is None:
+            notes.append(f"{name} skipped: no draft model given (--draft PATH)")
+            continue
+        if name == "baseline":
+            methods.append(VerispecMethod(name, SpeculativeDecoder(model, tokenizer, None)))
+        elif name in ("ngram", "draft"):
+            for k in config.ks:
+                drafter = (NgramDrafter() if name == "ngram"
+                           else ModelDrafter(draft_model, _vocab_size(model)))
+                label = name if len(config.ks) == 1 else f"{name}[k={k}]"
+                methods.append(VerispecMethod(label, SpeculativeDecoder(model, tokenizer,
+                                                                        drafter, k=k)))
+        elif name == "hf-baseline":
+            methods.append(HFMethod(name, model, eos_ids))
+        elif name == "hf-ngram":
+            methods.append(HFMethod(name, model, eos_ids,
+                                    prompt_lookup_num_tokens=config.hf_ngram_tokens))
+        elif name == "hf-assisted":
+            methods.append(HFMethod(name, model, eos_ids, assistant_model=draft_model))
+    return methods, notes
+
+
+def rotated(items: list, shift: int) -> list:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def prompt_records(prompt, prompt_tokens: int, methods, runs: dict[str, MethodRun],
+                   greedy: bool) -> list[dict]:
+    records = []
+    for method in methods:
+        run = runs[method.name]
+        reference = "baseline" if method.runtime == "verispec" else "hf-baseline"
+        equal = None
+        if greedy and reference in runs and method.name != reference:
+            equal = run.token_ids == runs[reference].token_ids
+        records.append(dict(
+            question_id=prompt.question_id, category=prompt.category, method=method.name,
+            runtime=method.runtime, prompt_tokens=prompt_tokens, new_tokens=len(run.token_ids),
+            equal_to_baseline=equal, **{k: v for k, v in asdict(run).items() if k != "token_ids"}))
+    return records
+
+
+def config_dict(config: BenchConfig) -> dict:
+    return {k: (str(v) if isinstance(v, os.PathLike) else v) for k, v in asdict(config).items()}
+
+
+def machine_info(config: BenchConfig) -> dict:
+    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                python=platform.python_version(), torch=torch.__version__,
+                transformers=transformers.__version__, dtype=config.dtype,
+                device="cpu")
