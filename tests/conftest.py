@@ -40,7 +40,7 @@ def tiny_llama(vocab_size: int, seed: int, init: float = 0.3, layers: int = 2,
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=init,
+                         max_position_embeddings=2048, initializer_range=init,
                          bos_token_id=None, eos_token_id=EOS_ID if vocab_size > EOS_ID else None,
                          pad_token_id=None, tie_word_embeddings=False)
     return LlamaForCausalLM(config).to(dtype).eval()
@@ -49,7 +49,7 @@ def tiny_llama(vocab_size: int, seed: int, init: float = 0.3, layers: int = 2,
 def tiny_gpt2(vocab_size: int, seed: int, init: float = 0.3, dtype=torch.float64
               ) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+    config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=2048,
                         initializer_range=init, bos_token_id=None,
                         eos_token_id=EOS_ID if vocab_size > EOS_ID else None)
     return GPT2LMHeadModel(config).to(dtype).eval()

@@ -78,7 +78,7 @@ def test_out_of_range_token_ids(decoder):
 
 def test_prompt_longer_than_context(decoder):
     with pytest.raises(ValueError, match="context"):
-        decoder.generate([1] * 600, SamplingParams())
+        decoder.generate([1] * 2100, SamplingParams())
 
 
 @pytest.mark.parametrize("k", [-1, 2.5, True])

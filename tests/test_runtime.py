@@ -40,4 +40,18 @@ def test_explicit_rollback_and_reuse_of_shared_prefix():
 def test_context_overflow_is_a_clear_error():
     runner = CachedModel(tiny_llama(50, seed=0))
     with pytest.raises(ValueError, match="context"):
-        runner.logits(torch.zeros(600, dtype=torch.long), 1)
+        runner.logits(torch.zeros(2100, dtype=torch.long), 1)
+
+
+def test_preallocated_cache_grows_and_rolls_back_across_its_capacity():
+    model = tiny_llama(50, seed=2)
+    ids = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(ids.unsqueeze(0)).logits[0]
+    runner = CachedModel(model)
+    runner.logits(ids[:250], 1)  # fits the first buffer
+    runner.logits(ids[:300], 50)  # grows past it
+    runner.rollback(240)  # back below the old capacity
+    torch.testing.assert_close(runner.logits(ids, 160), reference[240:], rtol=1e-9, atol=1e-9)
+    layer = runner._cache.layers[0]
+    assert type(layer).__name__ == "PreallocatedLayer" and layer.get_seq_length() == 400

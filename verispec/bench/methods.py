@@ -8,6 +8,7 @@ is with the peer's real code.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,13 +70,31 @@ class HFMethod:
         if params.seed is not None:
             torch.manual_seed(params.seed)
         calls_before = self._calls
-        start = time.perf_counter()
-        with torch.inference_mode():
-            output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                         generation_config=config, **self.generate_kwargs)
-        wall_s = time.perf_counter() - start
+        with _defaults_without_eos(self.model, self.generate_kwargs, params.ignore_eos):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                output = self.model.generate(input_ids,
+                                             attention_mask=torch.ones_like(input_ids),
+                                             generation_config=config, **self.generate_kwargs)
+            wall_s = time.perf_counter() - start
         return MethodRun(output[0, len(prompt_ids):].tolist(), wall_s,
                          self._calls - calls_before)
+
+
+@contextmanager
+def _defaults_without_eos(model, generate_kwargs: dict, ignore_eos: bool):
+    """generate() fills an unset eos_token_id from the model's own generation config, so a
+    fixed-length run has to clear it there (and on the assistant), then restore it."""
+    models = [model, generate_kwargs.get("assistant_model")]
+    configs = [m.generation_config for m in models if m is not None] if ignore_eos else []
+    saved = [c.eos_token_id for c in configs]
+    for c in configs:
+        c.eos_token_id = None
+    try:
+        yield
+    finally:
+        for c, eos in zip(configs, saved, strict=True):
+            c.eos_token_id = eos
 
 
 def generation_config(params: SamplingParams, eos_ids: frozenset[int]) -> GenerationConfig:

@@ -30,7 +30,7 @@ def _speedup_by_category(categories, methods, path) -> None:
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))])
     ax.set_xticklabels(categories, rotation=30, ha="right")
     ax.set_ylabel("speedup over the runtime's plain decoding")
-    ax.legend(fontsize=8)
+    _legend(ax, 8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -45,7 +45,7 @@ def _acceptance_by_position(methods, path) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (accepted / checked)")
     ax.set_ylim(0, 1.02)
-    ax.legend(fontsize=8)
+    _legend(ax, 8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -64,7 +64,12 @@ def _tau_vs_gamma(records, methods, path) -> None:
             ax.scatter(*zip(*points, strict=True), s=14, label=f"{name} (per prompt)")
     ax.set_xlabel("measured acceptance rate γ")
     ax.set_ylabel("tokens per target forward τ")
-    ax.legend(fontsize=7)
+    _legend(ax, 7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _legend(ax, fontsize: int) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)

@@ -1,0 +1,95 @@
+"""The benchmark end to end on tiny models: every method, outputs written, metrics coherent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verispec.bench import BenchConfig, run_bench
+from verispec.bench.prompts import builtin_prompts, load_jsonl
+
+
+def test_bench_runs_every_method_and_writes_outputs(model_folders, tmp_path):
+    config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
+                         methods=("baseline", "ngram", "draft", "hf-baseline", "hf-ngram",
+                                  "hf-assisted"),
+                         ks=(2, "auto"), per_category=1, limit=3, max_new_tokens=12,
+                         out=tmp_path / "out")
+    results = run_bench(config, progress=False)
+    names = set(results["methods"])
+    assert names == {"baseline", "ngram[k=2]", "ngram[k=auto]", "draft[k=2]", "draft[k=auto]",
+                     "hf-baseline", "hf-ngram", "hf-assisted"}
+    for name, entry in results["methods"].items():
+        overall = entry["overall"]
+        assert overall["new_tokens"] == 3 * 12  # fixed lengths: EOS ignored
+        if name not in ("baseline", "hf-baseline"):
+            assert entry["greedy_equal_to_baseline"] == "3/3"  # exact, also HF's own methods
+        assert overall["speedup"] == pytest.approx(
+            overall["tokens_per_s"]
+            / results["methods"]["baseline" if entry["runtime"] == "verispec"
+                                 else "hf-baseline"]["overall"]["tokens_per_s"])
+    assert results["methods"]["baseline"]["overall"]["tokens_per_forward"] == 1.0
+    assert results["methods"]["draft[k=2]"]["overall"]["acceptance_rate"] is not None
+    assert set(results["costs"]) == {"ngram[k=auto]", "draft[k=auto]"}
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"results.json", "report.md", "speedup_by_category.png",
+            "acceptance_by_position.png", "tokens_per_forward_vs_gamma.png"} <= written
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["methods"]
+    assert "| draft[k=2] |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_methods_needing_a_draft_are_skipped_with_a_note(model_folders, tmp_path):
+    config = BenchConfig(target=str(model_folders / "target"), methods=("baseline", "draft"),
+                         limit=1, max_new_tokens=4, out=tmp_path)
+    results = run_bench(config, progress=False)
+    assert list(results["methods"]) == ["baseline"]
+    assert any("draft skipped" in note for note in results["notes"])
+
+
+def test_spec_bench_jsonl_sampling(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"question {i}", "again"]}
+            for i in range(20)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    chosen = load_jsonl(path, per_category=3, seed=1)
+    assert [p.category for p in chosen] == ["a"] * 3 + ["b"] * 3
+    assert chosen == load_jsonl(path, per_category=3, seed=1)
+    assert chosen != load_jsonl(path, per_category=3, seed=2)
+    path.write_text('{"question_id": 1}\n')
+    with pytest.raises(ValueError, match="not a Spec-Bench question"):
+        load_jsonl(path, 1, 0)
+
+
+def test_builtin_prompts_cover_categories():
+    prompts = builtin_prompts(per_category=1)
+    assert len({p.category for p in prompts}) == len(prompts) >= 8
+
+
+@pytest.mark.parametrize("bad", [dict(methods=("nope",)), dict(ks=("fast",)),
+                                 dict(max_new_tokens=0), dict(prompts="/no/such/file")])
+def test_bad_bench_config(bad):
+    with pytest.raises(ValueError):
+        BenchConfig(**bad)
+
+
+def test_hf_methods_really_ignore_eos(text_target, tokenizer):
+    """transformers fills an unset eos_token_id from the model's generation config; a
+    fixed-length run must clear it there, or HF methods would stop early and look faster."""
+    import copy
+
+    from verispec import SamplingParams, SpeculativeDecoder
+    from verispec.bench.methods import HFMethod
+
+    model = copy.deepcopy(text_target)
+    prompt = tokenizer("abc")["input_ids"]
+    first = SpeculativeDecoder(model, tokenizer, None).generate(
+        prompt, SamplingParams(max_new_tokens=1)).token_ids[0]
+    model.generation_config.eos_token_id = first  # the very first greedy token is now "EOS"
+    run = HFMethod("hf-baseline", model, frozenset({first})).run(
+        prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert len(run.token_ids) == 10 and run.target_forwards == 10
+    assert model.generation_config.eos_token_id == first  # restored
+    stopped = HFMethod("hf-baseline", model, frozenset({first})).run(
+        prompt, SamplingParams(max_new_tokens=10))
+    assert stopped.token_ids == [first]
