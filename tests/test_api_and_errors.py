@@ -69,6 +69,8 @@ def test_from_pretrained_with_folders(model_folders, tokenizer):
 def test_empty_prompt(decoder, prompt):
     with pytest.raises(ValueError, match="empty"):
         decoder.generate(prompt, SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        decoder.stream(prompt, SamplingParams())  # before any iteration
 
 
 def test_out_of_range_token_ids(decoder):

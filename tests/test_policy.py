@@ -16,11 +16,11 @@ def test_heuristic_schedule_plus_two_minus_one():
     policy = HeuristicK(k=5, k_max=8)
     ks = []
     for drafted_accepted in [(5, 5), (7, 2), (6, 6), (8, 8), (8, 0), (7, 0)]:
-        policy.update(*drafted_accepted)
+        policy.update(0, *drafted_accepted)
         ks.append(policy.next_k())
     assert ks == [7, 6, 8, 8, 7, 6]
     policy = HeuristicK(k=1)
-    policy.update(1, 0)
+    policy.update(0, 1, 0)
     assert policy.next_k() == 1  # never below 1
 
 
@@ -29,31 +29,43 @@ def costs(draft_step, verify):
 
 
 def test_adaptive_k_follows_acceptance():
-    flat = costs(0.05, [1.0] + [1.05] * 8)
-    policy = AdaptiveK(flat)
+    policy = AdaptiveK(costs(0.05, [1.0] + [1.05] * 8))  # a draft model: K chosen up front
     start = policy.next_k()
     for _ in range(10):
-        policy.update(policy.next_k(), policy.next_k())  # every draft accepted
-    assert policy.next_k() > start and policy.gamma > 0.9
+        k = policy.next_k()
+        policy.update(0, k, k)  # every draft accepted
+    assert policy.next_k() > start and policy.gamma() > 0.9
     for _ in range(30):
-        policy.update(max(policy.next_k(), 1), 0)  # every draft rejected at its first token
-    assert policy.gamma < 0.2 and policy.next_k() <= 1
+        policy.update(0, max(policy.next_k(), 1), 0)  # every draft rejected at its first token
+    assert policy.gamma() < 0.2 and policy.next_k() <= 1
 
 
 def test_adaptive_k_is_zero_when_speculation_cannot_pay():
-    expensive = costs(1.0, [1.0, 2.0, 3.0, 4.0])  # draft as slow as the target
-    policy = AdaptiveK(expensive)
+    policy = AdaptiveK(costs(1.0, [1.0, 2.0, 3.0, 4.0]))  # a draft as slow as the target
     assert policy.next_k() == 0
 
 
 def test_adaptive_k_probes_again_after_a_bad_patch():
-    policy = AdaptiveK(costs(0.02, [1.0, 1.3, 1.5, 1.7, 1.9]), decay=0.8)
+    policy = AdaptiveK(costs(0.02, [1.0, 1.3, 1.5, 1.7, 1.9]))
     for _ in range(20):
-        policy.update(2, 0)
+        policy.update(0, 2, 0)
     assert policy.next_k() == 0
     for _ in range(40):
-        policy.update(0, 0)  # plain steps: no evidence, the estimate returns to the prior
+        policy.update(0, 0, 0)  # plain steps: no evidence, the estimate returns to the prior
     assert policy.next_k() > 0
+
+
+def test_free_drafts_are_trimmed_per_source():
+    """n-gram proposals cost nothing: ask for k_max, verify as many as the source earns."""
+    policy = AdaptiveK(costs(0.001, [1.0, 1.2, 1.3, 1.5, 1.55, 1.6, 1.8, 1.9, 2.0]))
+    assert policy.next_k() == 8
+    for _ in range(20):
+        policy.update(1, 1, 0)  # one-token matches: rejected
+        policy.update(5, 8, 8)  # five-token matches: accepted whole
+    assert policy.keep(1, 8) == 0
+    assert policy.keep(5, 8) == 8
+    assert policy.keep(5, 3) == 3  # never more than proposed
+    assert policy.keep(3, 8) == policy.keep(0, 8)  # an unseen source starts from the prior
 
 
 def test_optimal_k_with_a_verify_curve():

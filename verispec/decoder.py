@@ -128,11 +128,15 @@ class SpeculativeDecoder:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool | None = None) -> Iterator[StreamChunk]:
         """Yield new text and ids after every verification round; the last chunk carries the
-        whole output and its stats."""
+        whole output and its stats. Bad input raises here, before the first chunk."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt, self.chat if chat is None else chat)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        return self._stream(prompt_ids, params)
+
+    def _stream(self, prompt_ids: torch.Tensor, params: SamplingParams
+                ) -> Iterator[StreamChunk]:
         stats = StatsRecorder(k=self.k)
         text = TextStream(self.tokenizer, params.stop)
         generator = make_generator(params.seed, self.target.device)

@@ -37,10 +37,12 @@ def speculate(
     budget = min(params.max_new_tokens, target.max_positions - int(prompt_ids.numel()))
     generated = 0
     while generated < budget:
-        # 1. Draft: a round emits at least one token, so drafting past budget - 1 is wasted.
+        # 1. Draft: a round emits at least one token, so drafting past budget - 1 is wasted. The
+        #    policy may verify only part of a proposal, by the kind of proposal it is.
         num_draft = min(policy.next_k(), budget - generated - 1)
         draft = (drafter.propose(history, num_draft, params, generator)
                  if drafter is not None and num_draft > 0 else empty_draft())
+        draft = draft.truncated(policy.keep(draft.source, len(draft)))
         draft_tokens = draft.tokens.unsqueeze(0).to(target.device)  # [1, K']
         # 2. One target pass over the K' + 1 positions that follow the history.
         target_logits = target.logits(torch.cat([history, draft.tokens]), len(draft) + 1)
@@ -62,7 +64,7 @@ def speculate(
                 if token in eos_ids:
                     new_tokens, hit_eos = new_tokens[: i + 1], True
                     break
-        policy.update(len(draft), accepted)
+        policy.update(draft.source, len(draft), accepted)
         stats.record_round(len(draft), accepted, len(new_tokens))
         history = torch.cat([history, torch.tensor(new_tokens, dtype=torch.long)])
         generated += len(new_tokens)

@@ -2,16 +2,17 @@
 
 `AdaptiveK` picks, every round, the K that maximises the expected speedup
     expected_tokens(gamma, K) / (K * c + v(K + 1))
-with gamma a running per-request estimate of the acceptance rate, c the draft step cost and
-v(n) the cost of a target pass over n positions, both relative to a one-token target step and
-measured on this machine (`measure_costs`). K = 0 (a plain decoding step) when nothing pays.
+with gamma a running per-request estimate of the acceptance rate (kept per kind of proposal),
+c the draft step cost and v(n) the cost of a target pass over n positions, both relative to a
+one-token target step and measured on this machine (`measure_costs`). K = 0 (a plain
+decoding step) when nothing pays.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -21,9 +22,17 @@ from verispec.theory import optimal_k
 
 
 class KPolicy(Protocol):
-    def next_k(self) -> int: ...
+    def next_k(self) -> int:
+        """How many tokens to ask the drafter for this round."""
+        ...
 
-    def update(self, num_drafted: int, num_accepted: int) -> None: ...
+    def keep(self, source: int, proposed: int) -> int:
+        """How many proposed tokens to verify, knowing the kind of proposal (Draft.source)."""
+        ...
+
+    def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
+        """After verification: num_drafted tokens of this source were verified."""
+        ...
 
 
 @dataclass(slots=True)
@@ -33,7 +42,10 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, num_drafted: int, num_accepted: int) -> None:
+    def keep(self, source: int, proposed: int) -> int:
+        return proposed
+
+    def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         pass
 
 
@@ -48,7 +60,10 @@ class HeuristicK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, num_drafted: int, num_accepted: int) -> None:
+    def keep(self, source: int, proposed: int) -> int:
+        return proposed
+
+    def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
             return
         step = 2 if num_accepted == num_drafted else -1
@@ -69,15 +84,11 @@ class CostModel:
 
 
 @dataclass(slots=True)
-class AdaptiveK:
-    """K from the cost model and a running estimate of gamma.
+class AcceptanceEstimate:
+    """gamma = (accepted_w + prior * prior_weight) / (checked_w + prior_weight), where the
+    weighted counts decay at every update: recent rounds matter most, and rounds without
+    evidence let the estimate drift back to the prior, so a K of 0 is eventually retried."""
 
-    gamma = (accepted_w + prior * prior_weight) / (checked_w + prior_weight), where the weighted
-    counts decay by `decay` each round: recent rounds matter most, and after rounds without
-    evidence the estimate drifts back to the prior, so K = 0 is eventually probed again.
-    """
-
-    costs: CostModel
     prior: float = 0.5
     prior_weight: float = 2.0
     decay: float = 0.85
@@ -89,13 +100,48 @@ class AdaptiveK:
         return ((self.accepted_w + self.prior * self.prior_weight)
                 / (self.checked_w + self.prior_weight))
 
-    def next_k(self) -> int:
-        return optimal_k(self.gamma, self.costs.draft_step, self.costs.verify, self.costs.k_max)
-
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        checked = min(num_accepted + 1, num_drafted)
+    def update(self, num_checked: int, num_accepted: int) -> None:
         self.accepted_w = self.decay * self.accepted_w + num_accepted
-        self.checked_w = self.decay * self.checked_w + checked
+        self.checked_w = self.decay * self.checked_w + num_checked
+
+
+CHEAP_DRAFT = 0.01  # draft step cost c below which proposals count as free (n-gram lookup)
+
+
+@dataclass(slots=True)
+class AdaptiveK:
+    """K from the cost model and running acceptance estimates, one per kind of proposal.
+
+    A costly drafter (a draft model) gets its K before drafting, from the estimate for its one
+    source. A free drafter (n-gram lookup) is asked for up to k_max tokens, and then only as many
+    are verified as pay off for that proposal's source: a long n-gram match is accepted far more
+    often than a one-token match, and earns a longer K.
+    """
+
+    costs: CostModel
+    estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
+
+    def gamma(self, source: int = 0) -> float:
+        return self._estimate(source).gamma
+
+    def next_k(self) -> int:
+        if self.costs.draft_step < CHEAP_DRAFT:
+            return self.costs.k_max
+        return self._best_k(self.gamma(0))
+
+    def keep(self, source: int, proposed: int) -> int:
+        return min(proposed, self._best_k(self.gamma(source)))
+
+    def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
+        self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
+
+    def _best_k(self, gamma: float) -> int:
+        return optimal_k(gamma, self.costs.draft_step, self.costs.verify, self.costs.k_max)
+
+    def _estimate(self, source: int) -> AcceptanceEstimate:
+        if source not in self.estimates:
+            self.estimates[source] = AcceptanceEstimate()
+        return self.estimates[source]
 
 
 def parse_k(k: int | str) -> int | str:

@@ -14,9 +14,18 @@ from verispec.params import SamplingParams
 class Draft:
     tokens: torch.Tensor  # [k'] long, k' <= k (a drafter may propose fewer, even none)
     probs: torch.Tensor | None  # [k', V] the warped draft distribution, or None if deterministic
+    # What kind of proposal this is, for acceptance statistics kept per kind (n-gram drafts: the
+    # length of the matched n-gram, since longer matches are accepted far more often).
+    source: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+    def truncated(self, length: int) -> Draft:
+        if length >= len(self):
+            return self
+        probs = None if self.probs is None else self.probs[:length]
+        return Draft(self.tokens[:length], probs, self.source)
 
 
 class Drafter(Protocol):

@@ -10,7 +10,8 @@ from verispec.params import SamplingParams
 
 class NgramDrafter:
     """Match the last n tokens of prompt + output against earlier text, longest n first, and
-    propose the tokens that followed the most recent match. Deterministic: Draft.probs is None.
+    propose the tokens that followed the most recent match. Deterministic: Draft.probs is None;
+    Draft.source is the matched length n.
 
     Example: history [1, 2, 3, 9, 1, 2], max_ngram 2 -> the bigram [1, 2] occurred at 0, followed
     by [3, 9, 1, 2]: with k = 3 the draft is [3, 9, 1].
@@ -18,7 +19,7 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 5, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
@@ -44,5 +45,5 @@ class NgramDrafter:
             starts = (windows == pattern).all(dim=-1).nonzero()
             if starts.numel():
                 follow = int(starts[-1, 0]) + n
-                return Draft(history[follow:follow + k].clone(), None)
+                return Draft(history[follow:follow + k].clone(), None, source=n)
         return empty_draft()
