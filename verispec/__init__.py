@@ -1,7 +1,7 @@
 """verispec: lossless speculative decoding.
 
     from verispec import SpeculativeDecoder, SamplingParams
-    dec = SpeculativeDecoder.from_pretrained(target=None, draft="default", k=5)
+    dec = SpeculativeDecoder.from_pretrained(target=None, draft="default", k="auto")
     out = dec.generate("Explain KV caches.", SamplingParams(max_new_tokens=128))
     out.text, out.token_ids, out.stats
 """

@@ -19,9 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt", help="the user message (chat template applied unless --no-chat)")
     add_model_args(gen)
-    gen.add_argument("--k", default="5",
-                     help="draft tokens per round: a number (default 5), 'auto' (chosen each "
-                          "round from measured costs) or 'heuristic' (+2/-1 schedule)")
+    gen.add_argument("--k", default="auto",
+                     help="draft tokens per round: 'auto' (default: chosen each round from "
+                          "measured costs), a number, or 'heuristic' (+2/-1 schedule)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                        help=f"comma-separated, from: {', '.join(ALL_METHODS)}")
-    bench.add_argument("--k", default="5",
+    bench.add_argument("--k", default="auto",
                        help="K for verispec's speculative methods; a list (1,2,4,auto,heuristic)"
                             " runs each")
     bench.add_argument("--target", default=None)

@@ -32,7 +32,8 @@ from verispec.text import TextStream
 log = logging.getLogger("verispec")
 
 Prompt = str | Sequence[int]
-DEFAULT_K = 5
+DEFAULT_K = "auto"  # won the K sweep on Spec-Bench against every fixed K and the heuristic
+HEURISTIC_START_K = 5
 AUTO_K_MAX = 8
 
 
@@ -60,7 +61,7 @@ class SpeculativeDecoder:
         target: PreTrainedModel,
         tokenizer=None,
         drafter: Drafter | None = None,
-        k: int | str = 5,
+        k: int | str = DEFAULT_K,
         chat: bool = True,
     ) -> None:
         k = parse_k(k)
@@ -76,7 +77,7 @@ class SpeculativeDecoder:
     def costs(self) -> CostModel:
         """The measured cost model (draft step and verification costs), measured once."""
         if self._costs is None:
-            self._costs = measure_costs(self.target, self.drafter, k_max=AUTO_K_MAX)
+            self._costs = measure_costs(self.target, self.drafter, k_max=AUTO_K_MAX, repeats=3)
             log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s, target step %.1f ms",
                      self._costs.draft_step, AUTO_K_MAX + 1,
                      " ".join(f"{v:.2f}" for v in self._costs.verify),
@@ -94,7 +95,7 @@ class SpeculativeDecoder:
         if self.k == "auto":
             return AdaptiveK(self.costs)
         if self.k == "heuristic":
-            return HeuristicK(k=DEFAULT_K)
+            return HeuristicK(k=HEURISTIC_START_K)
         return FixedK(self.k)
 
     @classmethod
@@ -102,7 +103,7 @@ class SpeculativeDecoder:
         cls,
         target: str | os.PathLike | None = None,
         draft: str | os.PathLike | None = "default",
-        k: int | str = 5,
+        k: int | str = DEFAULT_K,
         dtype: str = "float32",
         device: str = "cpu",
         chat: bool = True,
@@ -110,8 +111,9 @@ class SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (the best drafter shipped for the target: n-gram lookup for now),
         "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None (plain
-        decoding). k: draft tokens per round, "auto" (chosen each round from measured costs
-        and the running acceptance rate) or "heuristic" (transformers' +2/-1 schedule)."""
+        decoding). k: "auto" (default: chosen each round from measured costs and the running
+        acceptance rate), a fixed number of draft tokens per round, or "heuristic"
+        (transformers' +2/-1 schedule)."""
         k = parse_k(k)
         model, tokenizer = loading.load(target, dtype=dtype, device=device)
         drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device)
@@ -137,11 +139,12 @@ class SpeculativeDecoder:
 
     def _stream(self, prompt_ids: torch.Tensor, params: SamplingParams
                 ) -> Iterator[StreamChunk]:
+        policy = self.new_policy()  # may measure the cost model once: not part of the timing
         stats = StatsRecorder(k=self.k)
         text = TextStream(self.tokenizer, params.stop)
         generator = make_generator(params.seed, self.target.device)
-        rounds = speculate(self.target, self.drafter, prompt_ids, params, self.new_policy(),
-                           self.eos_ids, generator, stats)
+        rounds = speculate(self.target, self.drafter, prompt_ids, params, policy, self.eos_ids,
+                           generator, stats)
         last_piece, last_ids = "", []
         for new_ids in rounds:
             start = len(text.ids)
@@ -197,14 +200,14 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "float3
         return NgramDrafter()
     draft_model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device)
     check_vocab(target, tokenizer, draft_model, draft_tokenizer)
-    return ModelDrafter(draft_model, target_vocab_size=_vocab_size(target))
+    return ModelDrafter(draft_model, target_vocab_size=vocab_size(target))
 
 
 def check_vocab(target: PreTrainedModel, tokenizer, draft: PreTrainedModel, draft_tokenizer
                 ) -> None:
     """The draft must speak the target's tokenizer. Embedding tables may differ only by padding
     rows beyond the tokenizer's size."""
-    target_size, draft_size = _vocab_size(target), _vocab_size(draft)
+    target_size, draft_size = vocab_size(target), vocab_size(draft)
     if tokenizer is not None and draft_tokenizer is not None:
         if tokenizer.get_vocab() != draft_tokenizer.get_vocab():
             raise IncompatibleDraftError("the draft's tokenizer differs from the target's; a draft "
@@ -218,7 +221,7 @@ def check_vocab(target: PreTrainedModel, tokenizer, draft: PreTrainedModel, draf
             f"vocabulary mismatch: target has {target_size} tokens, draft {draft_size}")
 
 
-def _vocab_size(model: PreTrainedModel) -> int:
+def vocab_size(model: PreTrainedModel) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 

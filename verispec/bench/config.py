@@ -21,7 +21,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     methods: tuple[str, ...] = DEFAULT_METHODS
-    ks: tuple[int | str, ...] = (5,)  # several: every speculative verispec method runs each
+    ks: tuple[int | str, ...] = ("auto",)  # several: every speculative verispec method runs each
     target: str | None = None
     draft: str | None = None  # a draft model for `draft` and `hf-assisted`
     dtype: str = "float32"

@@ -17,7 +17,7 @@ from verispec.bench.config import BenchConfig
 from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench.report import summarise, write_outputs
-from verispec.decoder import SpeculativeDecoder, _vocab_size, check_vocab
+from verispec.decoder import SpeculativeDecoder, check_vocab, vocab_size
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.params import SamplingParams
 
@@ -81,7 +81,7 @@ def build_methods(config: BenchConfig, model, tokenizer, draft_model):
         elif name in ("ngram", "draft"):
             for k in config.ks:
                 drafter = (NgramDrafter() if name == "ngram"
-                           else ModelDrafter(draft_model, _vocab_size(model)))
+                           else ModelDrafter(draft_model, vocab_size(model)))
                 label = name if len(config.ks) == 1 else f"{name}[k={k}]"
                 methods.append(VerispecMethod(label, SpeculativeDecoder(model, tokenizer,
                                                                         drafter, k=k)))
