@@ -91,3 +91,11 @@ def perturbed_copy(model, noise: float, seed: int):
         for param in draft.parameters():
             param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * noise)
     return draft
+
+
+def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    """Negative control for the distribution tests: a verifier that accepts every draft token,
+    so its output follows the draft's distribution, not the target's."""
+    batch, k = draft_tokens.shape
+    bonus = torch.multinomial(target_probs[:, -1], 1, generator=generator)
+    return torch.cat([draft_tokens, bonus], 1), torch.full((batch,), k)

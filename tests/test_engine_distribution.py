@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama
+from conftest import always_accept, perturbed_copy, tiny_llama
 from scipy.stats import chisquare
 
 from verispec import SamplingParams, SpeculativeDecoder
@@ -60,12 +60,6 @@ def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
     expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
     keep = expected > 0
     return chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue
-
-
-def always_accept(draft_tokens, draft_probs, target_probs, generator):
-    batch, k = draft_tokens.shape
-    bonus = torch.multinomial(target_probs[:, -1], 1, generator=generator)
-    return torch.cat([draft_tokens, bonus], 1), torch.full((batch,), k)
 
 
 SETTINGS = {

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import always_accept
 from scipy.stats import chisquare
 
 from verispec.verify import PAD_TOKEN, greedy_verify, rejection_sample, residual
@@ -138,13 +139,6 @@ def emitted_first_tokens(sampler, draft, target, seed):
     tokens, _ = sampler(draft_tokens, draft.expand(N, -1, -1), target.expand(N, -1, -1),
                         generator)
     return tokens
-
-
-def always_accept(draft_tokens, draft_probs, target_probs, generator):
-    """Negative control: accepts every draft token, so it outputs the draft's distribution."""
-    batch = draft_tokens.shape[0]
-    bonus = torch.multinomial(target_probs[:, -1], 1, generator=generator)
-    return torch.cat([draft_tokens, bonus], 1), torch.full((batch,), draft_tokens.shape[1])
 
 
 def chi2_pvalue(samples, probs):
