@@ -61,7 +61,7 @@ class CachedModel:
             raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
                              f"{self.max_positions}")
         # 1. Roll back to the longest cached prefix, leaving at least num_logits positions to feed.
-        keep = min(_common_prefix(self._cached_ids, ids), length - num_logits)
+        keep = min(common_prefix(self._cached_ids, ids), length - num_logits)
         self.rollback(keep)
         # 2. One forward over the new positions; the cache grows to hold all of ids.
         new_ids = ids[keep:].to(self.device).unsqueeze(0)  # [1, L - keep]
@@ -132,7 +132,7 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(a.numel(), b.numel())
     if n == 0:
         return 0
