@@ -15,7 +15,11 @@ from transformers.cache_utils import DynamicLayer
 
 
 class CachedModel:
-    """One sequence (batch 1) of an HF causal LM with a croppable DynamicCache."""
+    """One sequence (batch 1) of an HF causal LM with a croppable DynamicCache.
+
+    Subclasses for other backends (verispec.native) override `_forward`, `_truncate` and
+    `reset`; the prefix bookkeeping stays here.
+    """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
@@ -26,9 +30,7 @@ class CachedModel:
         if not self._cache.is_croppable:
             raise ValueError(
                 f"{type(model).__name__} uses a cache that cannot be rolled back (sliding "
-                "window or "
-                "recurrent state); speculative decoding needs a croppable KV cache"
-            )
+                "window or recurrent state); speculative decoding needs a croppable KV cache")
         self._cached_ids = torch.empty(0, dtype=torch.long)  # the tokens whose KV is cached
         self.forward_calls = 0
 
@@ -42,9 +44,8 @@ class CachedModel:
 
     def rollback(self, length: int) -> None:
         """Drop the cached positions from `length` on."""
-        excess = self.cached_length - length
-        if excess > 0:
-            self._cache.crop(-excess)
+        if self.cached_length > length:
+            self._truncate(length)
             self._cached_ids = self._cached_ids[:length]
 
     @torch.inference_mode()
@@ -64,12 +65,19 @@ class CachedModel:
         keep = min(common_prefix(self._cached_ids, ids), length - num_logits)
         self.rollback(keep)
         # 2. One forward over the new positions; the cache grows to hold all of ids.
-        new_ids = ids[keep:].to(self.device).unsqueeze(0)  # [1, L - keep]
-        out = self.model(input_ids=new_ids, cache=self._cache, use_cache=True,
-                         logits_to_keep=num_logits)
+        logits = self._forward(ids[keep:], keep, num_logits)
         self.forward_calls += 1
         self._cached_ids = ids.clone()
-        return out.logits[0, -num_logits:]  # [num_logits, V]
+        return logits
+
+    def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
+        """new_ids [T] at positions start.. -> logits [num_logits, V] of the last positions."""
+        out = self.model(input_ids=new_ids.to(self.device).unsqueeze(0), cache=self._cache,
+                         use_cache=True, logits_to_keep=num_logits)
+        return out.logits[0, -num_logits:]
+
+    def _truncate(self, length: int) -> None:
+        self._cache.crop(length - self.cached_length)
 
 
 class PreallocatedLayer(DynamicLayer):
