@@ -48,7 +48,6 @@ class StatsRecorder:
     first_token_at: float | None = None
     new_tokens: int = 0
     target_forwards: int = 0
-    drafted: int = 0
     rounds_by_draft_length: dict[int, int] = field(default_factory=dict)
     position_checked: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
@@ -59,7 +58,6 @@ class StatsRecorder:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.target_forwards += 1
-        self.drafted += num_drafted
         lengths = self.rounds_by_draft_length
         lengths[num_drafted] = lengths.get(num_drafted, 0) + 1
         self.new_tokens += num_emitted
@@ -77,11 +75,12 @@ class StatsRecorder:
         accepted = sum(self.position_accepted)
         rate = accepted / checked if checked else 0.0
         rounds = max(self.target_forwards, 1)
+        drafted = sum(k * n for k, n in self.rounds_by_draft_length.items())
         return GenerationStats(
             k=self.k,
             new_tokens=self.new_tokens,
             target_forwards=self.target_forwards,
-            drafted=self.drafted,
+            drafted=drafted,
             checked=checked,
             accepted=accepted,
             acceptance_rate=rate,
@@ -90,10 +89,10 @@ class StatsRecorder:
             ],
             per_position_accepted=list(self.position_accepted),
             per_position_checked=list(self.position_checked),
-            tokens_per_forward=self.new_tokens / max(self.target_forwards, 1),
+            tokens_per_forward=self.new_tokens / rounds,
             expected_tokens=sum(expected_tokens(rate, k) * n
                                 for k, n in self.rounds_by_draft_length.items()) / rounds,
-            mean_k=self.drafted / rounds,
+            mean_k=drafted / rounds,
             ttft_s=(self.first_token_at or time.perf_counter()) - self.started,
             wall_s=wall_s,
             tokens_per_s=self.new_tokens / wall_s if wall_s > 0 else 0.0,

@@ -59,7 +59,6 @@ class HFMethod:
         self.eos_ids = eos_ids
         self.generate_kwargs = generate_kwargs
         self._calls = 0
-        model.register_forward_hook(self._count)
 
     def _count(self, module, args, output) -> None:
         self._calls += 1
@@ -69,16 +68,22 @@ class HFMethod:
         input_ids = torch.tensor([prompt_ids], device=self.model.device)
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        calls_before = self._calls
-        with _defaults_without_eos(self.model, self.generate_kwargs, params.ignore_eos):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                output = self.model.generate(input_ids,
-                                             attention_mask=torch.ones_like(input_ids),
-                                             generation_config=config, **self.generate_kwargs)
-            wall_s = time.perf_counter() - start
-        return MethodRun(output[0, len(prompt_ids):].tolist(), wall_s,
-                         self._calls - calls_before)
+        self._calls = 0
+        # The hook counts target forwards during this run only: the model is shared with the
+        # other methods, whose timing it must not touch.
+        hook = self.model.register_forward_hook(self._count)
+        try:
+            with _defaults_without_eos(self.model, self.generate_kwargs, params.ignore_eos):
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    output = self.model.generate(input_ids,
+                                                 attention_mask=torch.ones_like(input_ids),
+                                                 generation_config=config,
+                                                 **self.generate_kwargs)
+                wall_s = time.perf_counter() - start
+        finally:
+            hook.remove()
+        return MethodRun(output[0, len(prompt_ids):].tolist(), wall_s, self._calls)
 
 
 @contextmanager

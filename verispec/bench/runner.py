@@ -32,12 +32,12 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     if config.draft is not None:
         draft_model, draft_tokenizer = loading.load(config.draft, dtype=config.dtype)
         check_vocab(model, tokenizer, draft_model, draft_tokenizer)
-    methods, notes = build_methods(config, model, tokenizer, draft_model)
+    encoder = SpeculativeDecoder(model, tokenizer, None)
+    methods, notes = build_methods(config, model, tokenizer, draft_model, encoder.eos_ids)
 
     # 2. Prompts, encoded once with the chat template.
     prompts = (load_jsonl(config.prompts, config.per_category, config.seed, config.limit)
                if config.prompts else builtin_prompts(config.per_category, config.limit))
-    encoder = SpeculativeDecoder(model, tokenizer, None)
     prompt_ids = [encoder.encode(p.text, chat=True).tolist() for p in prompts]
 
     # 3. Warm-up (and the cost model of every adaptive method), then the interleaved runs.
@@ -69,9 +69,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     return results
 
 
-def build_methods(config: BenchConfig, model, tokenizer, draft_model):
+def build_methods(config: BenchConfig, model, tokenizer, draft_model, eos_ids: frozenset[int]):
     methods, notes = [], []
-    eos_ids = SpeculativeDecoder(model, tokenizer, None).eos_ids
     for name in config.methods:
         if name in ("draft", "hf-assisted") and draft_model is None:
             notes.append(f"{name} skipped: no draft model given (--draft PATH)")
