@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(costs)
     costs.add_argument("--k-max", type=int, default=8)
     costs.set_defaults(run=run_costs)
+
+    add_distill_command(commands)
     return parser
 
 
@@ -134,6 +136,49 @@ def run_costs(args: argparse.Namespace) -> int:
                       "target_step_ms": round(costs.target_step_s * 1e3, 2),
                       "draft_step_c": round(costs.draft_step, 4),
                       "verify_v": [round(v, 3) for v in costs.verify]}))
+    return 0
+
+
+def add_distill_command(commands) -> None:
+    """`verispec distill`: flags map onto DistillConfig fields; a flag left out keeps its default
+    there (argument_default=SUPPRESS leaves it off the namespace)."""
+    distill = commands.add_parser(
+        "distill", help="train a small draft model on data the target writes itself",
+        argument_default=argparse.SUPPRESS,
+        description="Sample responses from the target, keep its top-k log-probabilities, train "
+                    "a small draft on them and save it to RUN/draft (use it with --draft). "
+                    "Defaults: verispec.distill.DistillConfig.")
+    distill.add_argument("--out", required=True, help="run folder: data/, ckpt.pt, train.log, "
+                                                      "draft/")
+    distill.add_argument("--target", help="HF folder or .gguf (default: embedded SmolLM2-135M)")
+    distill.add_argument("--prompts", type=int, dest="num_prompts", metavar="N",
+                         help="training prompts")
+    distill.add_argument("--self-prompts", type=int, help="of those, written by the target")
+    distill.add_argument("--max-new-tokens", type=int, help="response length cap")
+    distill.add_argument("--temperature", type=float, help="response sampling temperature")
+    distill.add_argument("--topk", type=int, help="target log-probabilities kept per position")
+    distill.add_argument("--layers", type=int, help="draft layers")
+    distill.add_argument("--head-vocab", type=int, help="tokens covered by the draft's LM head")
+    distill.add_argument("--steps", type=int, help="training steps")
+    distill.add_argument("--batch-size", type=int, help="sequences per generate call and step")
+    distill.add_argument("--lr", type=float)
+    distill.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
+    distill.add_argument("--seed", type=int)
+    distill.add_argument("--device", help="auto (cuda when available), cpu or cuda")
+    distill.add_argument("--resume", action="store_true", help="continue the run in --out")
+    distill.set_defaults(run=run_distill)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from verispec.distill import DistillConfig, distill
+
+    names = {field.name for field in fields(DistillConfig)}
+    result = distill(DistillConfig(**{k: v for k, v in vars(args).items() if k in names}))
+    print(f"draft: {result.draft} (held-out top-1 agreement "
+          f"{result.report.heldout_agreement:.3f})", file=sys.stderr)
+    print(result.draft)
     return 0
 
 

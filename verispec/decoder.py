@@ -198,6 +198,11 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "float3
         return None
     if draft in ("default", "ngram"):
         return NgramDrafter()
+    from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle
+
+    if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
+        draft_model, head_token_ids = load_draft(draft, target, tokenizer)
+        return ModelDrafter(draft_model, vocab_size(target), head_token_ids=head_token_ids)
     draft_model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device)
     check_vocab(target, tokenizer, draft_model, draft_tokenizer)
     return ModelDrafter(draft_model, target_vocab_size=vocab_size(target))

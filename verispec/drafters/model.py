@@ -16,14 +16,18 @@ class ModelDrafter:
     its warped distribution (argmax when greedy) and returning that distribution for verification.
 
     The draft's logits are fitted to the target's vocabulary width first (cut, or padded with
-    -inf), so q is exactly the distribution the draft tokens were drawn from.
+    -inf), so q is exactly the distribution the draft tokens were drawn from. A draft whose head
+    covers a subset of the vocabulary (a distilled draft) gives `head_token_ids` [Vh]: its logit
+    j belongs to token head_token_ids[j], and every other token gets -inf.
     """
 
     name = "draft"
 
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, target_vocab_size: int,
+                 head_token_ids: torch.Tensor | None = None) -> None:
         self.runner = CachedModel(model)
         self.target_vocab_size = target_vocab_size
+        self.head_token_ids = None if head_token_ids is None else head_token_ids.long()
 
     def reset(self) -> None:
         self.runner.reset()
@@ -55,6 +59,10 @@ class ModelDrafter:
         return Draft(torch.cat(tokens), torch.stack(probs) if probs else None)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.head_token_ids is not None:  # [..., Vh] -> [..., V], -inf outside the head
+            full = logits.new_full((*logits.shape[:-1], self.target_vocab_size), float("-inf"))
+            index = self.head_token_ids.to(logits.device).expand(*logits.shape[:-1], -1)
+            return full.scatter(-1, index, logits)
         width = logits.shape[-1]
         if width == self.target_vocab_size:
             return logits

@@ -1,0 +1,76 @@
+"""What a distillation run does: one frozen, self-validating dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# The fields that decide what the data is: a resumed run must keep them.
+DATA_FIELDS = ("target", "num_prompts", "self_prompts", "eval_prompts", "shard_prompts",
+               "max_new_tokens", "batch_size", "temperature", "greedy_fraction", "topk", "chat",
+               "seed")
+
+
+@dataclass(frozen=True, slots=True)
+class DistillConfig:
+    """Defaults: a run of about 1.5-2 h for SmolLM2-135M on 2 CPU cores (see the sizing note in
+    verispec.distill.pipeline); on a GPU the same settings take minutes."""
+
+    out: Path  # run folder: data/, ckpt.pt, train.log, and the draft in draft/
+    target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    # Data: prompts, responses sampled from the target, its top-k log-probabilities.
+    num_prompts: int = 640  # training prompts (built-in and self-written), one response each
+    self_prompts: int = 96  # of num_prompts, how many the target writes itself
+    eval_prompts: int = 16  # extra prompts whose responses form the held-out shard
+    shard_prompts: int = 64  # prompts per data shard (the unit of resumption)
+    max_new_tokens: int = 256
+    batch_size: int = 16  # sequences per generate call and per training step
+    temperature: float = 1.0  # sampling temperature of the responses
+    greedy_fraction: float = 0.25  # share of generation batches decoded greedily
+    topk: int = 16  # target log-probabilities kept per position
+    chat: bool = True  # apply the chat template when the tokenizer has one
+    # Draft and training.
+    layers: int = 2
+    head_vocab: int = 8192  # the draft's LM head covers this many most frequent tokens
+    train_head: bool = False  # False: head rows frozen to the target's (not stored)
+    steps: int = 800
+    lr: float = 1e-3
+    seq_len: int = 512  # sequences are cut to this many tokens for training
+    checkpoint_every: int = 100
+    seed: int = 0
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))
+        positive = ("num_prompts", "eval_prompts", "shard_prompts", "max_new_tokens",
+                    "batch_size", "topk", "layers", "head_vocab", "steps", "seq_len",
+                    "checkpoint_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.self_prompts <= self.num_prompts:
+            raise ValueError(f"self_prompts must be in [0, num_prompts={self.num_prompts}], "
+                             f"got {self.self_prompts}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 <= self.greedy_fraction <= 1:
+            raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.device != "auto" and not self.device.startswith(("cpu", "cuda", "mps")):
+            raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def data_manifest(self) -> dict:
+        """The fields that decide the data, as JSON-ready values."""
+        values = asdict(self)
+        return {name: values[name] for name in DATA_FIELDS}
