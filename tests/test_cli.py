@@ -28,6 +28,16 @@ def test_json_output_and_ngram_equals_plain(capsys, model_folders):
     assert plain["stats"]["drafted"] == 0 and plain["stats"]["tokens_per_forward"] == 1.0
 
 
+def test_runtime_flags(capsys, model_folders):
+    common = ["abcabc", "--target", str(model_folders / "target"), "--draft", "ngram",
+              "--max-new-tokens", "12", "--ignore-eos"]
+    for flags in (["--runtime", "hf"], ["--runtime", "native", "--dtype", "float32"],
+                  ["--runtime", "native", "--int8"]):
+        assert len(run_json(capsys, *common, *flags)["token_ids"]) == 12
+    assert main(["generate", *common, "--runtime", "hf", "--int8"]) == 2
+    assert "native runtime" in capsys.readouterr().err
+
+
 def test_draft_model_and_sampling_flags(capsys, model_folders):
     out = run_json(capsys, "hello", "--target", str(model_folders / "target"), "--draft",
                    str(model_folders / "draft"), "--k", "3", "--temperature", "0.8",

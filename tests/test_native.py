@@ -37,13 +37,14 @@ def test_logits_equal_transformers_in_fp32(make):
 
 
 def test_rollback_then_forward_equals_fresh_forward():
-    native = NativeLlama.from_hf(tiny_llama(64, seed=1, dtype=torch.float32), torch.float32)
-    runner = NativeCachedModel(native)
-    fresh = NativeCachedModel(NativeLlama.from_hf(tiny_llama(64, seed=1, dtype=torch.float32),
-                                                  torch.float32)).logits(IDS, 8)
+    model = tiny_llama(64, seed=1, dtype=torch.float32)
+    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    fresh = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    fresh.logits(IDS[:72], 1)
+    expected = fresh.logits(IDS, 8)  # the same pass sizes, never rolled back
     runner.logits(IDS[:60], 1)
     runner.logits(torch.cat([IDS[:72], (IDS[72:77] + 1) % 64]), 6)  # a rejected draft
-    torch.testing.assert_close(runner.logits(IDS, 8), fresh, rtol=1e-6, atol=1e-6)
+    assert torch.equal(runner.logits(IDS, 8), expected)
 
 
 def test_bf16_logits_do_not_depend_on_pass_size():
@@ -61,11 +62,9 @@ def test_speculative_greedy_equals_plain_greedy_on_the_native_runtime_in_bf16(to
     from verispec.drafters import NgramDrafter
 
     model = tiny_llama(len(tokenizer), seed=3, dtype=torch.float32)
-    native = NativeLlama.from_hf(model, torch.bfloat16)
-    plain = SpeculativeDecoder(model, tokenizer, None)
-    spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=4)
-    plain.target = NativeCachedModel(native)
-    spec.target = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime="native", dtype="bfloat16")
+    spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=4, runtime="native",
+                              dtype="bfloat16")
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     for prompt in ["abcabcabc", "hello hello hello"]:
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
@@ -74,3 +73,54 @@ def test_speculative_greedy_equals_plain_greedy_on_the_native_runtime_in_bf16(to
 def test_unsupported_architectures_are_refused():
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         NativeLlama.from_hf(tiny_gpt2(64, seed=0))
+
+
+def test_auto_runtime_takes_native_for_llama_and_falls_back_otherwise():
+    from verispec.runtime import CachedModel, make_runner
+
+    llama32 = tiny_llama(64, seed=0, dtype=torch.float32)
+    native = make_runner(llama32, "auto")
+    assert isinstance(native, NativeCachedModel) and native.describe() == "native bfloat16"
+    assert make_runner(llama32, "auto", dtype="float32").describe() == "native float32"
+    assert type(make_runner(llama32, "hf")) is CachedModel
+    assert type(make_runner(tiny_gpt2(64, seed=0, dtype=torch.float32), "auto")) is CachedModel
+    assert type(make_runner(tiny_llama(64, seed=0), "auto")) is CachedModel  # float64 stays hf
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        make_runner(tiny_gpt2(64, seed=0, dtype=torch.float32), "native")
+    with pytest.raises(ValueError, match="native runtime"):
+        make_runner(llama32, "hf", int8=True)
+    with pytest.raises(ValueError, match="runtime must be"):
+        make_runner(llama32, "tpu")
+
+
+def test_int8_weights_stay_close_to_bf16_and_are_batch_invariant():
+    model = tiny_llama(64, seed=4, init=0.05, dtype=torch.float32)
+    bf16 = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    int8 = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16, int8=True))
+    assert int8.describe() == "native bfloat16 int8 weights"
+    reference, quantized = bf16.logits(IDS, 20), int8.logits(IDS, 20)
+    assert (reference - quantized).abs().max() < 0.05 * reference.abs().max()
+    assert (reference.argmax(-1) == quantized.argmax(-1)).float().mean() >= 0.9
+    int8.rollback(70)
+    steps = [int8.logits(IDS[:n], 1)[0] for n in range(71, 81)]
+    int8.rollback(70)
+    for one, many in zip(steps, int8.logits(IDS, 10), strict=True):
+        assert torch.equal(one, many)
+    with pytest.raises(ValueError, match="bfloat16"):
+        NativeLlama.from_hf(model, torch.float32, int8=True)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_draft_model_on_the_native_runtime_keeps_greedy_exact(tokenizer, int8):
+    from verispec.drafters import ModelDrafter
+    from verispec.runtime import make_runner
+
+    target = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32)
+    draft = tiny_llama(len(tokenizer), seed=6, dtype=torch.float32, layers=1)
+    plain = SpeculativeDecoder(target, tokenizer, None, runtime="native", int8=int8)
+    drafter = ModelDrafter(make_runner(draft, "native", int8=int8), len(tokenizer))
+    assert drafter.runner.describe().startswith("native")
+    spec = SpeculativeDecoder(target, tokenizer, drafter, k=3, runtime="native", int8=int8)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for prompt in ["abcabc", "the cat sat on the mat"]:
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids

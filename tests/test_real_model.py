@@ -10,6 +10,7 @@ import pytest
 
 from verispec import SamplingParams, SpeculativeDecoder, loading
 from verispec.drafters import NgramDrafter
+from verispec.runtime import make_runner
 
 pytestmark = pytest.mark.real_model
 
@@ -29,10 +30,12 @@ def smollm():
         pytest.fail(f"the embedded model must be installed by the README's setup: {err}")
 
 
-def test_ngram_greedy_equals_plain_greedy(smollm):
+@pytest.mark.parametrize("runtime", ["native-bf16", "native-int8", "hf-fp32"])
+def test_ngram_greedy_equals_plain_greedy(smollm, runtime):
     model, tokenizer = smollm
-    plain = SpeculativeDecoder(model, tokenizer, drafter=None)
-    spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=5)
+    runner = make_runner(model, runtime.split("-")[0], int8=runtime.endswith("int8"))
+    plain = SpeculativeDecoder(model, tokenizer, drafter=None, runtime=runner)
+    spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=5, runtime=runner)
     params = SamplingParams(max_new_tokens=48)
     accepted = 0
     for prompt in PROMPTS:
@@ -45,13 +48,16 @@ def test_ngram_greedy_equals_plain_greedy(smollm):
 
 
 def test_model_as_its_own_draft_is_always_accepted(smollm):
+    """On the batch-invariant native runtime a draft identical to the target computes exactly
+    the target's probabilities one position at a time, so every draft token is accepted."""
     from verispec.drafters import ModelDrafter
 
     model, tokenizer = smollm
-    spec = SpeculativeDecoder(model, tokenizer, ModelDrafter(model, model.config.vocab_size), k=3)
-    out = spec.generate(PROMPTS[2], SamplingParams(max_new_tokens=12, temperature=0.7, seed=0,
+    drafter = ModelDrafter(make_runner(model, "native"), model.config.vocab_size)
+    spec = SpeculativeDecoder(model, tokenizer, drafter, k=3, runtime="native")
+    out = spec.generate(PROMPTS[2], SamplingParams(max_new_tokens=24, temperature=0.7, seed=0,
                                                    ignore_eos=True))
-    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.acceptance_rate == 1.0 and out.stats.checked >= 18
 
 
 def test_cli_json_ngram_matches_none():

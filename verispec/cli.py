@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                             " runs each")
     bench.add_argument("--target", default=None)
     bench.add_argument("--draft", default=None, help="draft model for 'draft' and 'hf-assisted'")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_runtime_args(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop at EOS instead of generating exactly --max-new-tokens")
@@ -73,8 +73,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default="default",
                         help="draft model folder/.gguf, 'ngram', 'none' (plain decoding) or "
                              "'default' (the best drafter shipped for the target)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_runtime_args(parser)
     parser.add_argument("--device", default="cpu")
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runtime", default="auto", choices=["auto", "hf", "native"],
+                        help="native: verispec's Llama-family runtime; hf: transformers; auto "
+                             "(default): native where supported")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default): bfloat16 on the native CPU runtime, else float32")
+    parser.add_argument("--int8", action="store_true",
+                        help="weight-only int8 linear layers (native runtime)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -86,7 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop))
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        chat=not args.no_chat)
+        chat=not args.no_chat, runtime=args.runtime, int8=args.int8)
     if args.json:
         output = decoder.generate(args.prompt, params)
         json.dump({"text": output.text, "token_ids": output.token_ids,
@@ -115,7 +126,8 @@ def run_bench(args: argparse.Namespace) -> int:
         limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         ks=tuple(k.strip() for k in args.k.split(",") if k.strip()), target=args.target,
-        draft=args.draft, dtype=args.dtype, seed=args.seed, ignore_eos=not args.stop_at_eos,
+        draft=args.draft, dtype=args.dtype, runtime=args.runtime, int8=args.int8,
+        seed=args.seed, ignore_eos=not args.stop_at_eos,
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out))
     bench(config)
     print((config.out / "report.md").read_text())
@@ -127,12 +139,15 @@ def run_costs(args: argparse.Namespace) -> int:
     from verispec import loading
     from verispec.decoder import make_drafter
     from verispec.policy import measure_costs
-    from verispec.runtime import CachedModel
+    from verispec.runtime import make_runner
 
     model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device)
-    drafter = make_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device)
-    costs = measure_costs(CachedModel(model), drafter, k_max=args.k_max)
-    print(json.dumps({"dtype": args.dtype, "draft": args.draft,
+    drafter = make_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
+                           runtime=args.runtime, int8=args.int8)
+    runner = make_runner(model, args.runtime, dtype=args.dtype, int8=args.int8)
+    costs = measure_costs(runner, drafter, k_max=args.k_max)
+    print(json.dumps({"runtime": type(runner).__name__, "dtype": args.dtype, "int8": args.int8,
+                      "draft": args.draft,
                       "target_step_ms": round(costs.target_step_s * 1e3, 2),
                       "draft_step_c": round(costs.draft_step, 4),
                       "verify_v": [round(v, 3) for v in costs.verify]}))

@@ -24,7 +24,7 @@ from verispec.policy import (
     measure_costs,
     parse_k,
 )
-from verispec.runtime import CachedModel
+from verispec.runtime import RUNTIMES, CachedModel, make_runner
 from verispec.sampling import make_generator
 from verispec.stats import GenerationStats, StatsRecorder
 from verispec.text import TextStream
@@ -63,9 +63,18 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         k: int | str = DEFAULT_K,
         chat: bool = True,
+        runtime: str | CachedModel = "auto",
+        dtype: str = "auto",
+        int8: bool = False,
     ) -> None:
+        """runtime: "auto", "hf" or "native" (see `verispec.runtime.make_runner`, which also
+        explains dtype and int8), or a runner already built for `target`, to share one between
+        decoders."""
         k = parse_k(k)
-        self.target = CachedModel(target)
+        if isinstance(runtime, CachedModel):
+            self.target = runtime
+        else:
+            self.target = make_runner(target, runtime, dtype=dtype, int8=int8)
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.k = k if drafter is not None else 0
@@ -104,20 +113,29 @@ class SpeculativeDecoder:
         target: str | os.PathLike | None = None,
         draft: str | os.PathLike | None = "default",
         k: int | str = DEFAULT_K,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         chat: bool = True,
+        runtime: str = "auto",
+        int8: bool = False,
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (the best drafter shipped for the target: n-gram lookup for now),
         "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None (plain
         decoding). k: "auto" (default: chosen each round from measured costs and the running
         acceptance rate), a fixed number of draft tokens per round, or "heuristic"
-        (transformers' +2/-1 schedule)."""
+        (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
+        Llama-family models, transformers otherwise), "native" or "hf". dtype: "auto" (bfloat16
+        on the native CPU runtime, float32 on hf), "float32", "bfloat16" or "float16". int8:
+        weight-only int8 layers (native runtime; bfloat16 activations)."""
         k = parse_k(k)
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
         model, tokenizer = loading.load(target, dtype=dtype, device=device)
-        drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device)
-        return cls(model, tokenizer, drafter, k=k, chat=chat)
+        drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device,
+                               runtime=runtime, int8=int8)
+        return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
+                   int8=int8)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                  chat: bool | None = None) -> GenerationOutput:
@@ -191,9 +209,11 @@ class SpeculativeDecoder:
         return torch.tensor(ids, dtype=torch.long)
 
 
-def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "float32",
-                 device: str = "cpu") -> Drafter | None:
-    """Build the drafter that `draft` names: None / "none", "default", "ngram" or a model path."""
+def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
+                 device: str = "cpu", runtime: str = "auto", int8: bool = False
+                 ) -> Drafter | None:
+    """Build the drafter that `draft` names: None / "none", "default", "ngram" or a model path.
+    A draft model runs on the same runtime, dtype and quantization as the target."""
     if draft is None or draft == "none":
         return None
     if draft in ("default", "ngram"):
@@ -202,10 +222,12 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "float3
 
     if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
         draft_model, head_token_ids = load_draft(draft, target, tokenizer)
-        return ModelDrafter(draft_model, vocab_size(target), head_token_ids=head_token_ids)
+        runner = make_runner(draft_model, runtime, dtype=dtype, int8=int8)
+        return ModelDrafter(runner, vocab_size(target), head_token_ids=head_token_ids)
     draft_model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device)
     check_vocab(target, tokenizer, draft_model, draft_tokenizer)
-    return ModelDrafter(draft_model, target_vocab_size=vocab_size(target))
+    runner = make_runner(draft_model, runtime, dtype=dtype, int8=int8)
+    return ModelDrafter(runner, target_vocab_size=vocab_size(target))
 
 
 def check_vocab(target: PreTrainedModel, tokenizer, draft: PreTrainedModel, draft_tokenizer

@@ -79,9 +79,12 @@ def resolve(spec: str | os.PathLike | None) -> ModelSource:
 
 def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "cpu"
          ) -> tuple[PreTrainedModel, object | None]:
-    """Load (model, tokenizer or None) from a spec understood by `resolve`."""
+    """Load (model, tokenizer or None) from a spec understood by `resolve`. dtype "auto" loads
+    float32 weights and leaves the choice to the runtime (`verispec.runtime.make_runner`)."""
+    if dtype == "auto":
+        dtype = "float32"
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     source = resolve(spec)
     hf_logging.set_verbosity_error()
     folder = _safetensors_cache(source) if source.gguf_file else source.folder

@@ -9,9 +9,15 @@ and the rejected draft tokens simply fall out of the cache at the next call.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+
+from verispec.loading import DTYPES
+
+log = logging.getLogger("verispec")
 
 
 class CachedModel:
@@ -37,6 +43,9 @@ class CachedModel:
     def reset(self) -> None:
         self._cache = new_cache(self.model.config)
         self._cached_ids = torch.empty(0, dtype=torch.long)
+
+    def describe(self) -> str:
+        return f"hf {str(self.model.dtype).removeprefix('torch.')}"
 
     @property
     def cached_length(self) -> int:
@@ -154,3 +163,48 @@ def _max_positions(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 1 << 30
+
+
+RUNTIMES = ("auto", "hf", "native")
+
+
+def make_runner(model: PreTrainedModel, runtime: str = "auto", dtype: str = "auto",
+                int8: bool = False) -> CachedModel:
+    """The runner for `model`: "native" (verispec's Llama runtime, verispec.native), "hf"
+    (transformers' modelling code) or "auto" (native for the architectures it supports, with
+    a logged note when it falls back to hf).
+
+    dtype "auto" keeps the model's dtype on hf and takes bfloat16 on the native runtime on a CPU,
+    where it is both faster and batch-invariant (speculative greedy equals plain greedy);
+    another dtype converts the native weights (the hf model is used as loaded). Models in other
+    dtypes (float64) stay on hf under "auto".
+    int8: weight-only int8 linear layers, native runtime only.
+    """
+    from verispec.native import NativeCachedModel, NativeLlama, UnsupportedModelError
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    if runtime == "hf":
+        if int8:
+            raise ValueError("int8 weights need the native runtime (--runtime native or auto)")
+        return CachedModel(model)
+    device, model_dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    if dtype == "auto" and model_dtype not in DTYPES.values():
+        if runtime == "native":
+            raise ValueError(f"the native runtime runs {', '.join(DTYPES)}, not {model_dtype}")
+        return CachedModel(model)
+    if dtype != "auto":
+        native_dtype = DTYPES[dtype]
+    elif device.type == "cpu" or int8:
+        native_dtype = torch.bfloat16
+    else:
+        native_dtype = model_dtype
+    try:
+        return NativeCachedModel(NativeLlama.from_hf(model, native_dtype, int8=int8))
+    except UnsupportedModelError as err:
+        if runtime == "native" or int8:
+            raise
+        log.info("native runtime unavailable (%s): using transformers' modelling code", err)
+        return CachedModel(model)

@@ -24,7 +24,9 @@ class BenchConfig:
     ks: tuple[int | str, ...] = ("auto",)  # several: every speculative verispec method runs each
     target: str | None = None
     draft: str | None = None  # a draft model for `draft` and `hf-assisted`
-    dtype: str = "float32"
+    dtype: str = "auto"  # verispec's runners (see make_runner); hf-* run float32 under auto
+    runtime: str = "auto"  # auto | hf | native, for verispec's methods
+    int8: bool = False  # weight-only int8 (native runtime), verispec's methods
     seed: int = 0
     ignore_eos: bool = True  # fixed-length outputs: every method generates max_new_tokens
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example

@@ -6,7 +6,7 @@ import logging
 import os
 import platform
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import transformers
@@ -20,6 +20,7 @@ from verispec.bench.report import summarise, write_outputs
 from verispec.decoder import SpeculativeDecoder, check_vocab, vocab_size
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.params import SamplingParams
+from verispec.runtime import CachedModel, make_runner
 
 log = logging.getLogger("verispec")
 
@@ -32,8 +33,14 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     if config.draft is not None:
         draft_model, draft_tokenizer = loading.load(config.draft, dtype=config.dtype)
         check_vocab(model, tokenizer, draft_model, draft_tokenizer)
-    encoder = SpeculativeDecoder(model, tokenizer, None)
-    methods, notes = build_methods(config, model, tokenizer, draft_model, encoder.eos_ids)
+    # verispec's methods share one runner per model (each run resets its cache); hf-* methods
+    # run the transformers model as loaded.
+    runners = Runners(make_runner(model, config.runtime, config.dtype, config.int8),
+                      draft_model and make_runner(draft_model, config.runtime, config.dtype,
+                                                  config.int8))
+    encoder = SpeculativeDecoder(model, tokenizer, None, runtime=runners.target)
+    methods, notes = build_methods(config, model, tokenizer, draft_model, runners,
+                                   encoder.eos_ids)
 
     # 2. Prompts, encoded once with the chat template.
     prompts = (load_jsonl(config.prompts, config.per_category, config.seed, config.limit)
@@ -63,27 +70,35 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     bar.close()
 
     results = summarise(records, methods, config.ks)
-    results.update(config=config_dict(config), machine=machine_info(config), costs=costs,
-                   notes=notes)
+    results.update(config=config_dict(config), machine=machine_info(config, model, runners),
+                   costs=costs, notes=notes)
     write_outputs(results, config.out)
     return results
 
 
-def build_methods(config: BenchConfig, model, tokenizer, draft_model, eos_ids: frozenset[int]):
+@dataclass(frozen=True, slots=True)
+class Runners:
+    target: CachedModel
+    draft: CachedModel | None
+
+
+def build_methods(config: BenchConfig, model, tokenizer, draft_model, runners: Runners,
+                  eos_ids: frozenset[int]):
     methods, notes = [], []
     for name in config.methods:
         if name in ("draft", "hf-assisted") and draft_model is None:
             notes.append(f"{name} skipped: no draft model given (--draft PATH)")
             continue
         if name == "baseline":
-            methods.append(VerispecMethod(name, SpeculativeDecoder(model, tokenizer, None)))
+            methods.append(VerispecMethod(name, SpeculativeDecoder(
+                model, tokenizer, None, runtime=runners.target)))
         elif name in ("ngram", "draft"):
             for k in config.ks:
                 drafter = (NgramDrafter() if name == "ngram"
-                           else ModelDrafter(draft_model, vocab_size(model)))
+                           else ModelDrafter(runners.draft, vocab_size(model)))
                 label = name if len(config.ks) == 1 else f"{name}[k={k}]"
-                methods.append(VerispecMethod(label, SpeculativeDecoder(model, tokenizer,
-                                                                        drafter, k=k)))
+                methods.append(VerispecMethod(label, SpeculativeDecoder(
+                    model, tokenizer, drafter, k=k, runtime=runners.target)))
         elif name == "hf-baseline":
             methods.append(HFMethod(name, model, eos_ids))
         elif name == "hf-ngram":
@@ -119,9 +134,10 @@ def config_dict(config: BenchConfig) -> dict:
     return {k: (str(v) if isinstance(v, os.PathLike) else v) for k, v in asdict(config).items()}
 
 
-def machine_info(config: BenchConfig) -> dict:
+def machine_info(config: BenchConfig, model, runners: Runners) -> dict:
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                 cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 python=platform.python_version(), torch=torch.__version__,
                 transformers=transformers.__version__, dtype=config.dtype,
-                device="cpu")
+                runtime=runners.target.describe(), hf_dtype=str(model.dtype).removeprefix("torch."),
+                device=str(runners.target.device))

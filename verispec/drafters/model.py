@@ -23,9 +23,11 @@ class ModelDrafter:
 
     name = "draft"
 
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int,
+    def __init__(self, model: PreTrainedModel | CachedModel, target_vocab_size: int,
                  head_token_ids: torch.Tensor | None = None) -> None:
-        self.runner = CachedModel(model)
+        """model: an HF causal LM (run by transformers) or a runner built for it
+        (`verispec.runtime.make_runner`)."""
+        self.runner = model if isinstance(model, CachedModel) else CachedModel(model)
         self.target_vocab_size = target_vocab_size
         self.head_token_ids = None if head_token_ids is None else head_token_ids.long()
 

@@ -71,14 +71,28 @@ class LlamaShape:
 
 
 class Linear:
-    """y = x W^T + b. bfloat16 weights on the CPU are prepacked once into oneDNN's blocked layout:
-    a full SmolLM2 step's GEMMs took 18 ms instead of 26 ms, flat from 1 to 6 rows, and each
-    output row is bitwise independent of how many rows the call holds."""
+    """y = x W^T + b, in one of three forms, each giving output rows that are bitwise independent
+    of how many rows the call holds:
+    - bfloat16 on the CPU: prepacked once into oneDNN's blocked layout (a SmolLM2 step's GEMMs
+      took 18 ms instead of 26 ms, flat from 1 to 9 rows);
+    - int8 weights, one float scale per output channel, bfloat16 activations (`int8=True`):
+      half the bytes to stream; the kernel goes row by row, so it pays for 1-row steps and
+      loses for wide verification passes;
+    - anything else: F.linear.
+    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 int8: bool = False) -> None:
         self.out_features = weight.shape[0]
-        self.weight, self.bias, self.packed = weight, bias, None
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        self.weight, self.bias, self.packed, self.scales = weight, bias, None, None
+        if int8:
+            if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+                raise ValueError("int8 weights need bfloat16 activations on the CPU")
+            scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
+            self.weight = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(
+                torch.int8)
+            self.scales = scales.to(torch.bfloat16)
+        elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
                 self.weight = None  # the packed copy replaces it
@@ -88,6 +102,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.scales is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -112,17 +129,27 @@ class NativeLlama:
         half = shape.head_dim // 2
         inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
         angles = torch.outer(torch.arange(shape.max_positions, dtype=torch.float64), inv_freq)
-        self.cos = angles.cos().float().to(self.device)  # [P, d/2]
-        self.sin = angles.sin().float().to(self.device)
+        # Full-width tables with the sign of the rotated half folded in:
+        # rotate(x) = x * cos + swap_halves(x) * sin.
+        self.cos = torch.cat([angles.cos(), angles.cos()], -1).float().to(self.device)  # [P, d]
+        self.sin = torch.cat([-angles.sin(), angles.sin()], -1).float().to(self.device)
         self.keys = self.values = None  # [layers, nkv, capacity, d]
 
     @classmethod
-    def from_hf(cls, model: PreTrainedModel, dtype: torch.dtype | None = None) -> NativeLlama:
+    def from_hf(cls, model: PreTrainedModel, dtype: torch.dtype | None = None,
+                int8: bool = False) -> NativeLlama:
+        """Fuse and convert the weights of a transformers Llama-family model. int8: weight-only
+        int8 linear layers (bfloat16 activations), quantized here at load time."""
         shape = LlamaShape.from_config(model.config)
         dtype = dtype or next(model.parameters()).dtype
+        if int8 and dtype != torch.bfloat16:
+            raise ValueError("int8 weights run with bfloat16 activations: use dtype bfloat16")
 
         def weight(module) -> torch.Tensor:
             return module.weight.detach().to(dtype).contiguous()
+
+        def linear(*modules, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(torch.cat([weight(m) for m in modules]), bias, int8=int8)
 
         layers = []
         for layer in model.model.layers:
@@ -132,15 +159,18 @@ class NativeLlama:
                 bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).to(dtype)
             layers.append(LayerWeights(
                 attn_norm=layer.input_layernorm.weight.detach().float(),
-                qkv=Linear(torch.cat([weight(attn.q_proj), weight(attn.k_proj),
-                                      weight(attn.v_proj)]), bias),
-                out=Linear(weight(attn.o_proj)),
+                qkv=linear(attn.q_proj, attn.k_proj, attn.v_proj, bias=bias),
+                out=linear(attn.o_proj),
                 mlp_norm=layer.post_attention_layernorm.weight.detach().float(),
-                gate_up=Linear(torch.cat([weight(mlp.gate_proj), weight(mlp.up_proj)])),
-                down=Linear(weight(mlp.down_proj))))
+                gate_up=linear(mlp.gate_proj, mlp.up_proj),
+                down=linear(mlp.down_proj)))
         embed = weight(model.model.embed_tokens)
-        lm_head = Linear(weight(model.get_output_embeddings()))
+        lm_head = linear(model.get_output_embeddings())
         return cls(shape, embed, layers, model.model.norm.weight.detach().float(), lm_head)
+
+    def describe(self) -> str:
+        int8 = " int8 weights" if self.lm_head.scales is not None else ""
+        return f"native {str(self.dtype).removeprefix('torch.')}{int8}"
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, num_logits: int = 1) -> torch.Tensor:
@@ -148,19 +178,17 @@ class NativeLlama:
         length = int(ids.numel())
         end = start + length
         self._reserve(end)
-        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, d/2]
+        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, d]
+        rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
         x = self.embed[ids.to(self.device)]  # [T, H]
         for index, layer in enumerate(self.layers):
-            # 1. Attention: fused q/k/v, rotary positions, K/V written into the cache.
-            qkv = layer.qkv(self._norm(x, layer.attn_norm))
-            q, k, v = qkv.split([shape.num_heads * shape.head_dim,
-                                 shape.num_kv_heads * shape.head_dim,
-                                 shape.num_kv_heads * shape.head_dim], dim=-1)
-            q = _rotate(q.view(length, shape.num_heads, shape.head_dim), cos, sin)
-            k = _rotate(k.view(length, shape.num_kv_heads, shape.head_dim), cos, sin)
+            # 1. Attention: fused q/k/v, rotary positions on q and k at once, K/V into the cache.
+            qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [T, (nh + 2 nkv) d]
+            qk = _rotate(qkv[:, :rotary_width].view(length, -1, shape.head_dim), cos, sin)
+            q, k = qk.split([shape.num_heads, shape.num_kv_heads], dim=1)  # [T, heads, d]
+            v = qkv[:, rotary_width:].view(length, shape.num_kv_heads, shape.head_dim)
             self.keys[index, :, start:end] = k.transpose(0, 1)  # [nkv, T, d]
-            self.values[index, :, start:end] = v.view(length, shape.num_kv_heads,
-                                                      shape.head_dim).transpose(0, 1)
+            self.values[index, :, start:end] = v.transpose(0, 1)
             attended = self._attend(q.transpose(0, 1), index, start, end)  # [nh, T, d]
             x = x + layer.out(attended.transpose(0, 1).reshape(length, -1))
             # 2. SwiGLU MLP.
@@ -174,23 +202,29 @@ class NativeLlama:
         keys, values = self.keys[index], self.values[index]  # [nkv, capacity, d]
         heads, length, dim = q.shape
         group = heads // self.shape.num_kv_heads
+        # Passes up to INVARIANT_MAX positions go query by query over exactly each query's keys,
+        # with the kernel a one-token step uses. A query's heads that share a KV head ride as
+        # `group` rows of that head: no mask, no copies. 4-d inputs take the fused CPU kernel
+        # (3-d ones fall back to the unfused math path, ~3x slower).
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, nkv, capacity, d]
+        if length == 1:
+            grouped = q.view(1, self.shape.num_kv_heads, group, dim)
+            return F.scaled_dot_product_attention(grouped, keys[:, :, :end], values[:, :, :end]
+                                                  ).view(heads, 1, dim)
         if length <= INVARIANT_MAX:
-            # Query by query over exactly its keys, the kernel a one-token step uses. A query's
-            # heads that share a KV head ride as `group` rows of that head: no mask, no copies.
-            grouped = q.view(self.shape.num_kv_heads, group, length, dim)
+            grouped = q.view(1, self.shape.num_kv_heads, group, length, dim)
             return torch.cat([
-                F.scaled_dot_product_attention(grouped[:, :, t], keys[:, :start + t + 1],
-                                               values[:, :start + t + 1]).unsqueeze(2)
-                for t in range(length)], dim=2).view(heads, length, dim)
+                F.scaled_dot_product_attention(grouped[:, :, :, t], keys[:, :, :start + t + 1],
+                                               values[:, :, :start + t + 1]).unsqueeze(3)
+                for t in range(length)], dim=3).view(heads, length, dim)
+        keys, values = keys[0], values[0]
         mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(start)
         keys = keys[:, :end].repeat_interleave(group, dim=0)
         values = values[:, :end].repeat_interleave(group, dim=0)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
-        return (weight * x32).to(self.dtype)
+        return F.rms_norm(x.float(), weight.shape, weight, self.shape.rms_norm_eps).to(self.dtype)
 
     def _reserve(self, length: int) -> None:
         if length > self.shape.max_positions:
@@ -210,9 +244,8 @@ class NativeLlama:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' half-split convention: x [T, heads, d]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, d/2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
+    """Rotary embedding, transformers' half-split convention, in float32: x [T, heads, d],
+    cos/sin [T, d] from the tables above."""
+    x32 = x.float()
+    swapped = torch.cat([x32[..., x.shape[-1] // 2:], x32[..., : x.shape[-1] // 2]], dim=-1)
+    return torch.addcmul(x32 * cos.unsqueeze(1), swapped, sin.unsqueeze(1)).to(x.dtype)

@@ -20,6 +20,9 @@ class NativeCachedModel(CachedModel):
         self._cached_ids = torch.empty(0, dtype=torch.long)
         self.forward_calls = 0
 
+    def describe(self) -> str:
+        return self.model.describe()
+
     def reset(self) -> None:
         self._cached_ids = torch.empty(0, dtype=torch.long)
 
