@@ -242,3 +242,15 @@ def _wider_llama():
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     return LlamaForCausalLM(config).eval()
+
+
+def test_bench_runs_a_distilled_draft_and_hands_transformers_a_full_head(run, config, tmp_path):
+    from verispec.bench import BenchConfig, run_bench
+
+    bench = BenchConfig(target=config.target, draft=str(run.draft), limit=2, max_new_tokens=12,
+                        methods=("baseline", "draft", "hf-baseline", "hf-assisted"),
+                        out=tmp_path / "bench")
+    results = run_bench(bench, progress=False)
+    assert set(results["methods"]) == {"baseline", "draft", "hf-baseline", "hf-assisted"}
+    assert results["methods"]["draft"]["greedy_equal_to_baseline"] == "2/2"
+    assert results["methods"]["hf-assisted"]["greedy_equal_to_baseline"] == "2/2"

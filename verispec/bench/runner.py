@@ -18,6 +18,7 @@ from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench.report import summarise, write_outputs
 from verispec.decoder import SpeculativeDecoder, check_vocab, vocab_size
+from verispec.distill.model import is_distilled_draft, load_draft
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.params import SamplingParams
 from verispec.runtime import CachedModel, make_runner
@@ -29,18 +30,25 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Measure, write results.json / report.md / plots into config.out, return the results."""
     # 1. Models, loaded once and shared by every method.
     model, tokenizer = loading.load(config.target, dtype=config.dtype)
-    draft_model = None
-    if config.draft is not None:
+    draft_model, assistant_model, head_token_ids = None, None, None
+    if config.draft is not None and is_distilled_draft(config.draft):
+        # verispec drafts with the subset head it was trained with; transformers needs
+        # full-width logits, so its assistant is the same layers with the target's full head.
+        draft_model, head_token_ids = load_draft(config.draft, model, tokenizer)
+        assistant_model, _ = load_draft(config.draft, model, tokenizer, full_head=True)
+    elif config.draft is not None:
         draft_model, draft_tokenizer = loading.load(config.draft, dtype=config.dtype)
         check_vocab(model, tokenizer, draft_model, draft_tokenizer)
+        assistant_model = draft_model
     # verispec's methods share one runner per model (each run resets its cache); hf-* methods
     # run the transformers model as loaded.
-    runners = Runners(make_runner(model, config.runtime, config.dtype, config.int8),
-                      draft_model and make_runner(draft_model, config.runtime, config.dtype,
-                                                  config.int8))
+    draft_runner = None
+    if draft_model is not None:
+        draft_runner = make_runner(draft_model, config.runtime, config.dtype, config.int8)
+    runners = Runners(make_runner(model, config.runtime, config.dtype, config.int8), draft_runner)
     encoder = SpeculativeDecoder(model, tokenizer, None, runtime=runners.target)
-    methods, notes = build_methods(config, model, tokenizer, draft_model, runners,
-                                   encoder.eos_ids)
+    methods, notes = build_methods(config, model, tokenizer, runners, assistant_model,
+                                   head_token_ids, encoder.eos_ids)
 
     # 2. Prompts, encoded once with the chat template.
     prompts = (load_jsonl(config.prompts, config.per_category, config.seed, config.limit)
@@ -82,11 +90,11 @@ class Runners:
     draft: CachedModel | None
 
 
-def build_methods(config: BenchConfig, model, tokenizer, draft_model, runners: Runners,
-                  eos_ids: frozenset[int]):
+def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assistant_model,
+                  head_token_ids, eos_ids: frozenset[int]):
     methods, notes = [], []
     for name in config.methods:
-        if name in ("draft", "hf-assisted") and draft_model is None:
+        if name in ("draft", "hf-assisted") and runners.draft is None:
             notes.append(f"{name} skipped: no draft model given (--draft PATH)")
             continue
         if name == "baseline":
@@ -95,7 +103,7 @@ def build_methods(config: BenchConfig, model, tokenizer, draft_model, runners: R
         elif name in ("ngram", "draft"):
             for k in config.ks:
                 drafter = (NgramDrafter() if name == "ngram"
-                           else ModelDrafter(runners.draft, vocab_size(model)))
+                           else ModelDrafter(runners.draft, vocab_size(model), head_token_ids))
                 label = name if len(config.ks) == 1 else f"{name}[k={k}]"
                 methods.append(VerispecMethod(label, SpeculativeDecoder(
                     model, tokenizer, drafter, k=k, runtime=runners.target)))
@@ -105,7 +113,7 @@ def build_methods(config: BenchConfig, model, tokenizer, draft_model, runners: R
             methods.append(HFMethod(name, model, eos_ids,
                                     prompt_lookup_num_tokens=config.hf_ngram_tokens))
         elif name == "hf-assisted":
-            methods.append(HFMethod(name, model, eos_ids, assistant_model=draft_model))
+            methods.append(HFMethod(name, model, eos_ids, assistant_model=assistant_model))
     return methods, notes
 
 

@@ -102,10 +102,14 @@ def is_distilled_draft(folder) -> bool:
     return isinstance(folder, str | os.PathLike) and (Path(folder) / META_FILE).is_file()
 
 
-def load_draft(folder, target: PreTrainedModel, tokenizer=None
+def load_draft(folder, target: PreTrainedModel, tokenizer=None, full_head: bool = False
                ) -> tuple[LlamaForCausalLM, torch.Tensor]:
     """Rebuild a saved draft on the target's embedding, dtype and device -> (draft, head_token_ids
-    [Vh] long). Raises IncompatibleDraftError when the target is not the one it was made for."""
+    [Vh] long). Raises IncompatibleDraftError when the target is not the one it was made for.
+
+    full_head: give the draft the target's whole output embedding as its head instead (an
+    ordinary full-vocabulary causal LM, for peers such as transformers' assisted generation that
+    need full-width logits); head_token_ids is then arange(V)."""
     folder = Path(folder)
     meta = json.loads((folder / META_FILE).read_text())
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
@@ -123,6 +127,9 @@ def load_draft(folder, target: PreTrainedModel, tokenizer=None
     config = LlamaConfig.from_json_file(str(folder / "config.json"))
     weights = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
     head_token_ids = weights.pop("head_token_ids")
+    if full_head:
+        weights.pop(HEAD_KEY, None)
+        head_token_ids = torch.arange(target.get_output_embeddings().weight.shape[0])
     dtype = target.get_input_embeddings().weight.dtype
     return _assemble(config, weights, target, head_token_ids, dtype).eval(), head_token_ids
 
