@@ -30,8 +30,9 @@ def test_logits_equal_transformers_in_fp32(make):
     with torch.no_grad():
         reference = model(IDS.unsqueeze(0)).logits[0]  # [80, V]
     native = NativeLlama.from_hf(model, torch.float32)
-    prefill = native.forward(IDS[:70], start=0, num_logits=70)  # batched causal attention
-    verify = native.forward(IDS[70:], start=70, num_logits=10)  # query-by-query attention
+    cache = native.new_cache()
+    prefill = native.forward(IDS[:70], 0, 70, cache)  # batched causal attention
+    verify = native.forward(IDS[70:], 70, 10, cache)  # query-by-query attention
     torch.testing.assert_close(prefill, reference[:70], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(verify, reference[70:], rtol=1e-4, atol=1e-4)
 

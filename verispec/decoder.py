@@ -137,13 +137,35 @@ class SpeculativeDecoder:
         return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
                    int8=int8)
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                 chat: bool | None = None) -> GenerationOutput:
+    def generate(self, prompt: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool | None = None, max_batch: int | None = None
+                 ) -> GenerationOutput | list[GenerationOutput]:
+        """One prompt -> its output. A list of prompts (strings, or lists of token ids) -> their
+        outputs in order, decoded together as one batch (`verispec.scheduler`; up to max_batch
+        at once, default all), with one params for all or one per prompt."""
+        if _is_batch(prompt):
+            return self._generate_batch(list(prompt), params, chat, max_batch)
+        if isinstance(params, list):
+            raise ValueError("a list of params needs a list of prompts")
         output = None
         for chunk in self.stream(prompt, params, chat=chat):
             output = chunk.output
         assert output is not None
         return output
+
+    def _generate_batch(self, prompts: list[Prompt], params, chat: bool | None,
+                        max_batch: int | None) -> list[GenerationOutput]:
+        from verispec.scheduler import Scheduler
+
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} params")
+        scheduler = Scheduler(self, max_batch=max_batch or len(prompts))
+        ids = [scheduler.add(p, sp, chat=chat) for p, sp in zip(prompts, params, strict=True)]
+        outputs = scheduler.run()
+        return [outputs[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool | None = None) -> Iterator[StreamChunk]:
@@ -174,11 +196,15 @@ class SpeculativeDecoder:
             yield StreamChunk(piece, new_ids)
         else:
             last_piece = text.flush()
+        yield StreamChunk(last_piece, last_ids, self.make_output(text, params, stats))
+
+    def make_output(self, text: TextStream, params: SamplingParams, stats: StatsRecorder
+                    ) -> GenerationOutput:
+        """The finished output of a request from its text stream and stats."""
         ids = text.ids[: text.num_tokens]
         stopped_on_eos = bool(ids) and ids[-1] in self.eos_ids and not params.ignore_eos
         finish_reason = "stop" if text.stopped or stopped_on_eos else "length"
-        output = GenerationOutput(text.text, ids, finish_reason, stats.finish())
-        yield StreamChunk(last_piece, last_ids, output)
+        return GenerationOutput(text.text, ids, finish_reason, stats.finish())
 
     def encode(self, prompt: Prompt, chat: bool) -> torch.Tensor:
         """A prompt string (chat template applied when the tokenizer has one and chat is on) or
@@ -207,6 +233,12 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's context "
                              f"of {self.target.max_positions}")
         return torch.tensor(ids, dtype=torch.long)
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (strings or id lists), as opposed to one prompt given as ids."""
+    return isinstance(prompt, list | tuple) and bool(prompt) and all(
+        isinstance(p, str | list | tuple) for p in prompt)
 
 
 def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",

@@ -1,24 +1,93 @@
-"""The speculative decoding loop for one sequence.
+"""The speculative decoding round of one sequence, and the loop for one sequence alone.
 
 Each round: the drafter proposes up to K tokens, the target scores prompt + output + draft in
 one forward pass (its KV cache rolled back to the accepted prefix first), verification keeps the
 accepted prefix plus one recovered or bonus token. With no drafter every round is one plain
 decoding step through the very same code: the baseline.
+
+`Sequence` holds one request's state and splits a round around the target pass
+(`num_to_draft` -> drafter -> `begin` -> target pass -> `finish`), so that the batch
+scheduler (verispec.scheduler) can put many sequences' passes into one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Drafter, empty_draft
+from verispec.drafters.base import Draft, Drafter, empty_draft
 from verispec.params import SamplingParams
 from verispec.policy import KPolicy
 from verispec.runtime import CachedModel
 from verispec.sampling import warp
 from verispec.stats import StatsRecorder
 from verispec.verify import greedy_verify, rejection_sample
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What a sequence asks of the target this round: logits for the last num_logits of ids."""
+
+    draft: Draft
+    ids: torch.Tensor  # [L + K'] history + draft tokens
+    num_logits: int  # K' + 1
+
+
+class Sequence:
+    """One request being decoded: its history, token budget, K policy, generator and stats."""
+
+    def __init__(self, prompt_ids: torch.Tensor, params: SamplingParams, policy: KPolicy,
+                 eos_ids: frozenset[int], generator: torch.Generator | None,
+                 stats: StatsRecorder, max_positions: int) -> None:
+        self.history = prompt_ids  # [L] long, on the cpu
+        self.params, self.policy, self.eos_ids = params, policy, eos_ids
+        self.generator, self.stats = generator, stats
+        self.budget = min(params.max_new_tokens, max_positions - int(prompt_ids.numel()))
+        self.generated = 0
+        self.finished = self.budget <= 0
+
+    def num_to_draft(self, k: int | None = None) -> int:
+        """Draft tokens to ask for: the policy's K (or k), but a round emits at least one token,
+        so drafting past budget - 1 is wasted."""
+        k = self.policy.next_k() if k is None else k
+        return max(0, min(k, self.budget - self.generated - 1))
+
+    def begin(self, draft: Draft) -> Round:
+        """The target pass for this draft; the policy may verify only part of it, by the kind
+        of proposal it is."""
+        draft = draft.truncated(self.policy.keep(draft.source, len(draft)))
+        return Round(draft, torch.cat([self.history, draft.tokens]), len(draft) + 1)
+
+    def finish(self, round: Round, target_logits: torch.Tensor) -> list[int]:
+        """Verify the round against target_logits [K'+1, V]; return the tokens it adds."""
+        draft = round.draft
+        draft_tokens = draft.tokens.unsqueeze(0).to(target_logits.device)  # [1, K']
+        target_logits = target_logits.unsqueeze(0)  # [1, K'+1, V]
+        # 1. Verify.
+        if self.params.greedy:
+            tokens, num_accepted = greedy_verify(draft_tokens, target_logits)
+        else:
+            draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)
+            tokens, num_accepted = rejection_sample(
+                draft_tokens, draft_probs, warp(target_logits, self.params), self.generator)
+        accepted = int(num_accepted[0])
+        new_tokens = tokens[0, : accepted + 1].tolist()  # the one host sync of the round
+        # 2. Cut at EOS and at the budget, then append.
+        new_tokens = new_tokens[: self.budget - self.generated]
+        if not self.params.ignore_eos:
+            for i, token in enumerate(new_tokens):
+                if token in self.eos_ids:
+                    new_tokens, self.finished = new_tokens[: i + 1], True
+                    break
+        # 3. Bookkeeping.
+        self.policy.update(draft.source, len(draft), accepted)
+        self.stats.record_round(len(draft), accepted, len(new_tokens))
+        self.history = torch.cat([self.history, torch.tensor(new_tokens, dtype=torch.long)])
+        self.generated += len(new_tokens)
+        self.finished = self.finished or self.generated >= self.budget
+        return new_tokens
 
 
 def speculate(
@@ -33,41 +102,15 @@ def speculate(
 ) -> Iterator[list[int]]:
     """Yield the tokens each round adds, until EOS (kept as the last token), the token budget or
     the model's context is reached."""
-    history = prompt_ids
-    budget = min(params.max_new_tokens, target.max_positions - int(prompt_ids.numel()))
-    generated = 0
-    while generated < budget:
-        # 1. Draft: a round emits at least one token, so drafting past budget - 1 is wasted. The
-        #    policy may verify only part of a proposal, by the kind of proposal it is.
-        num_draft = min(policy.next_k(), budget - generated - 1)
-        draft = (drafter.propose(history, num_draft, params, generator)
+    sequence = Sequence(prompt_ids, params, policy, eos_ids, generator, stats,
+                        target.max_positions)
+    while not sequence.finished:
+        # 1. Draft.
+        num_draft = sequence.num_to_draft()
+        draft = (drafter.propose(sequence.history, num_draft, params, generator)
                  if drafter is not None and num_draft > 0 else empty_draft())
-        draft = draft.truncated(policy.keep(draft.source, len(draft)))
-        draft_tokens = draft.tokens.unsqueeze(0).to(target.device)  # [1, K']
         # 2. One target pass over the K' + 1 positions that follow the history.
-        target_logits = target.logits(torch.cat([history, draft.tokens]), len(draft) + 1)
-        target_logits = target_logits.unsqueeze(0)  # [1, K'+1, V]
-        # 3. Verify.
-        if params.greedy:
-            tokens, num_accepted = greedy_verify(draft_tokens, target_logits)
-        else:
-            draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)
-            tokens, num_accepted = rejection_sample(
-                draft_tokens, draft_probs, warp(target_logits, params), generator)
-        accepted = int(num_accepted[0])
-        new_tokens = tokens[0, : accepted + 1].tolist()  # the one host sync of the round
-        # 4. Cut at EOS and at the budget, then append.
-        new_tokens = new_tokens[: budget - generated]
-        hit_eos = False
-        if not params.ignore_eos:
-            for i, token in enumerate(new_tokens):
-                if token in eos_ids:
-                    new_tokens, hit_eos = new_tokens[: i + 1], True
-                    break
-        policy.update(draft.source, len(draft), accepted)
-        stats.record_round(len(draft), accepted, len(new_tokens))
-        history = torch.cat([history, torch.tensor(new_tokens, dtype=torch.long)])
-        generated += len(new_tokens)
-        yield new_tokens
-        if hit_eos:
-            return
+        round = sequence.begin(draft)
+        target_logits = target.logits(round.ids, round.num_logits)  # [K'+1, V]
+        # 3. Verify and append.
+        yield sequence.finish(round, target_logits)

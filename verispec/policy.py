@@ -191,3 +191,51 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
     for seconds in pass_s[1:]:
         verify.append(max(verify[-1], seconds / unit))
     return CostModel(draft_step=draft_s / unit, verify=tuple(verify), target_step_s=unit)
+
+
+def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
+                        repeats: int = 3) -> CostModel:
+    """The cost model of a batch of `batch` sequences, in units of one plain batched step
+    (every row one position): v(n) times a pass where every row has n positions, c one draft
+    step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
+    Drafter (its forks draft the rows) or None."""
+    from verispec.drafters.model import ModelDrafter, propose_together
+    from verispec.runtime import batched_logits
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(target.vocab_size, 1000)
+    runners = [target.sibling() for _ in range(batch)]
+    histories = [torch.randint(0, vocab, (context,), generator=generator) for _ in runners]
+    extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
+    batched_logits(runners, histories, [1] * batch)  # prefill, and warm up
+
+    def timed(fn) -> float:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    pass_s = [timed(lambda n=n: batched_logits(
+        runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch))
+        for n in range(1, k_max + 2)]
+    unit = pass_s[0]
+    draft_s = 0.0
+    if drafter is not None:
+        drafters = [drafter.fork() for _ in runners]
+        greedy = [SamplingParams()] * batch
+
+        def draft_step() -> None:
+            if isinstance(drafter, ModelDrafter):
+                propose_together(drafters, histories, [1] * batch, greedy, [None] * batch)
+            else:
+                for d, h in zip(drafters, histories, strict=True):
+                    d.propose(h, 1, greedy[0], None)
+
+        draft_step()
+        draft_s = timed(draft_step)
+    verify = [1.0]
+    for seconds in pass_s[1:]:
+        verify.append(max(verify[-1], seconds / unit))
+    return CostModel(draft_step=draft_s / unit, verify=tuple(verify), target_step_s=unit)

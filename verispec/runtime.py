@@ -47,6 +47,10 @@ class CachedModel:
     def describe(self) -> str:
         return f"hf {str(self.model.dtype).removeprefix('torch.')}"
 
+    def sibling(self) -> CachedModel:
+        """Another sequence on the same model, with its own cache."""
+        return CachedModel(self.model)
+
     @property
     def cached_length(self) -> int:
         return int(self._cached_ids.numel())
@@ -64,20 +68,28 @@ class CachedModel:
         Example: cache holds [a, b, c, x]; ids = [a, b, c, y, z], num_logits = 2 -> rollback to
         [a, b, c], feed [y, z], return the logits after y and after z.
         """
+        keep = self.prepare(ids, num_logits)
+        logits = self._forward(ids[keep:], keep, num_logits)
+        self.commit(ids)
+        return logits
+
+    def prepare(self, ids: torch.Tensor, num_logits: int) -> int:
+        """Check a pass over ids and roll the cache back to the longest cached prefix, leaving at
+        least num_logits positions to feed; return that prefix length."""
         length = int(ids.numel())
         if not 1 <= num_logits <= length:
             raise ValueError(f"num_logits must be in [1, {length}], got {num_logits}")
         if length > self.max_positions:
             raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
                              f"{self.max_positions}")
-        # 1. Roll back to the longest cached prefix, leaving at least num_logits positions to feed.
         keep = min(common_prefix(self._cached_ids, ids), length - num_logits)
         self.rollback(keep)
-        # 2. One forward over the new positions; the cache grows to hold all of ids.
-        logits = self._forward(ids[keep:], keep, num_logits)
+        return keep
+
+    def commit(self, ids: torch.Tensor) -> None:
+        """After the forward pass: the cache now holds all of ids."""
         self.forward_calls += 1
         self._cached_ids = ids.clone()
-        return logits
 
     def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
         """new_ids [T] at positions start.. -> logits [num_logits, V] of the last positions."""
@@ -163,6 +175,21 @@ def _max_positions(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 1 << 30
+
+
+def batched_logits(runners: list[CachedModel], sequences: list[torch.Tensor],
+                   num_logits: list[int]) -> list[torch.Tensor]:
+    """runner.logits(ids, n) for many sequences: one forward pass when the runners are native
+    runners of one model, one pass per sequence otherwise (transformers' runtime keeps each
+    sequence in its own cache). Either way a row's logits equal what it gets alone."""
+    from verispec.native import NativeCachedModel
+    from verispec.native import batched_logits as native_batched
+
+    if runners and all(isinstance(r, NativeCachedModel) and r.model is runners[0].model
+                       for r in runners):
+        return native_batched(runners, sequences, num_logits)
+    return [runner.logits(ids, n)
+            for runner, ids, n in zip(runners, sequences, num_logits, strict=True)]
 
 
 RUNTIMES = ("auto", "hf", "native")

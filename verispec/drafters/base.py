@@ -43,6 +43,11 @@ class Drafter(Protocol):
         """Forget cached state (a draft model's KV cache); the next proposal starts cold."""
         ...
 
+    def fork(self) -> Drafter:
+        """A drafter for another sequence decoded at the same time (batches): shares the
+        weights, keeps its own state."""
+        ...
+
 
 def empty_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)

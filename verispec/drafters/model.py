@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, empty_draft
 from verispec.params import SamplingParams
-from verispec.runtime import CachedModel
+from verispec.runtime import CachedModel, batched_logits
 from verispec.sampling import sample, warp
 
 
@@ -41,24 +41,11 @@ class ModelDrafter:
         params: SamplingParams,
         generator: torch.Generator | None,
     ) -> Draft:
-        ids = history
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for _ in range(k):
-            # 1. Next-token logits of the draft, on the target's vocabulary.
-            logits = self._fit_vocab(self.runner.logits(ids, 1))  # [1, V]
-            # 2. Draw (or take the argmax) and extend.
-            if params.greedy:
-                token = logits.argmax(dim=-1).cpu()  # [1]
-            else:
-                draft_probs = warp(logits, params)  # [1, V]
-                token = sample(draft_probs, generator).cpu()
-                probs.append(draft_probs[0])
-            tokens.append(token)
-            ids = torch.cat([ids, token])
-        if not tokens:
-            return Draft(torch.empty(0, dtype=torch.long), None)
-        return Draft(torch.cat(tokens), torch.stack(probs) if probs else None)
+        return propose_together([self], [history], [k], [params], [generator])[0]
+
+    def fork(self) -> ModelDrafter:
+        """A drafter for another sequence: same weights, its own cache."""
+        return ModelDrafter(self.runner.sibling(), self.target_vocab_size, self.head_token_ids)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.head_token_ids is not None:  # [..., Vh] -> [..., V], -inf outside the head
@@ -72,3 +59,32 @@ class ModelDrafter:
             return logits[..., : self.target_vocab_size]
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab_size - width), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor], ks: list[int],
+                     params: list[SamplingParams], generators: list[torch.Generator | None]
+                     ) -> list[Draft]:
+    """ModelDrafter.propose for many sequences in lockstep: draft step j is one batched pass
+    (`verispec.runtime.batched_logits`) over the rows that still want a j-th token. Each row
+    draws from its own warped distribution with its own generator, exactly as alone."""
+    sequences = list(histories)
+    tokens: list[list[torch.Tensor]] = [[] for _ in drafters]
+    probs: list[list[torch.Tensor]] = [[] for _ in drafters]
+    for step in range(max(ks, default=0)):
+        rows = [i for i, k in enumerate(ks) if k > step]
+        # 1. Next-token logits of each drafting row, on the target's vocabulary.
+        logits = batched_logits([drafters[i].runner for i in rows],
+                                [sequences[i] for i in rows], [1] * len(rows))
+        # 2. Each row draws (or takes the argmax) and extends its sequence.
+        for i, row_logits in zip(rows, logits, strict=True):
+            row_logits = drafters[i]._fit_vocab(row_logits)  # [1, V]
+            if params[i].greedy:
+                token = row_logits.argmax(dim=-1).cpu()  # [1]
+            else:
+                draft_probs = warp(row_logits, params[i])  # [1, V]
+                token = sample(draft_probs, generators[i]).cpu()
+                probs[i].append(draft_probs[0])
+            tokens[i].append(token)
+            sequences[i] = torch.cat([sequences[i], token])
+    return [Draft(torch.cat(t), torch.stack(p) if p else None) if t else empty_draft()
+            for t, p in zip(tokens, probs, strict=True)]

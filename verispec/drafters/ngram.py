@@ -28,6 +28,9 @@ class NgramDrafter:
     def reset(self) -> None:
         pass  # stateless
 
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.max_ngram, self.min_ngram)
+
     def propose(
         self,
         history: torch.Tensor,  # [L] long

@@ -2,9 +2,9 @@
 RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, tied or untied head.
 
 Weights are plain tensors taken from a loaded transformers model; q/k/v and gate/up are fused
-into one matrix each. The KV cache is one buffer per model, [layers, kv_heads, capacity, d],
-grown by doubling, and the cache length is the caller's business: rolling back is passing a
-smaller `start` next time.
+into one matrix each. Each sequence has its own KV cache, [layers, kv_heads, capacity, d],
+grown by doubling, and its length is the caller's business: rolling back is passing a smaller
+`start` next time. One forward pass serves many sequences (rows), each at its own position.
 
 Batch invariance: decode and verification passes (up to INVARIANT_MAX positions) compute
 attention query by query over exactly that query's keys, with the same kernel a one-token step
@@ -118,8 +118,46 @@ class LayerWeights:
     down: Linear  # I -> H
 
 
+class KVCache:
+    """One sequence's keys and values, [layers, nkv, capacity, d] each, grown by doubling.
+
+    Which positions are valid is the caller's business: rolling back is passing a smaller
+    `start` next time, and the stale positions are written over."""
+
+    def __init__(self, shape: LlamaShape, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.keys = self.values = None
+
+    def reserve(self, length: int) -> None:
+        if length > self.shape.max_positions:
+            raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
+                             f"{self.shape.max_positions}")
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if length <= capacity:
+            return
+        capacity = min(self.shape.max_positions, max(length, 2 * capacity, 256))
+        size = (self.shape.num_layers, self.shape.num_kv_heads, capacity, self.shape.head_dim)
+        keys = torch.zeros(size, dtype=self.dtype, device=self.device)
+        values = torch.zeros(size, dtype=self.dtype, device=self.device)
+        if self.keys is not None:
+            old = self.keys.shape[2]
+            keys[:, :, :old], values[:, :, :old] = self.keys, self.values
+        self.keys, self.values = keys, values
+
+
+@dataclass(frozen=True, slots=True)
+class RowPass:
+    """One sequence's part of a forward pass: ids [T] at positions start..start+T-1."""
+
+    cache: KVCache
+    ids: torch.Tensor  # [T] long
+    start: int
+    num_logits: int  # logits wanted for the last num_logits positions
+
+
 class NativeLlama:
-    """forward(ids [T], start) -> logits [num_logits, V] float32, writing K/V at start..start+T."""
+    """forward(ids [T], start, cache) -> logits [num_logits, V] float32, writing K/V into the
+    sequence's cache at start..start+T-1; forward_rows does many sequences in one pass."""
 
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: Linear) -> None:
@@ -133,7 +171,9 @@ class NativeLlama:
         # rotate(x) = x * cos + swap_halves(x) * sin.
         self.cos = torch.cat([angles.cos(), angles.cos()], -1).float().to(self.device)  # [P, d]
         self.sin = torch.cat([-angles.sin(), angles.sin()], -1).float().to(self.device)
-        self.keys = self.values = None  # [layers, nkv, capacity, d]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.shape, self.dtype, self.device)
 
     @classmethod
     def from_hf(cls, model: PreTrainedModel, dtype: torch.dtype | None = None,
@@ -172,34 +212,58 @@ class NativeLlama:
         int8 = " int8 weights" if self.lm_head.scales is not None else ""
         return f"native {str(self.dtype).removeprefix('torch.')}{int8}"
 
+    def forward(self, ids: torch.Tensor, start: int, num_logits: int, cache: KVCache
+                ) -> torch.Tensor:
+        return self.forward_rows([RowPass(cache, ids, start, num_logits)])[0]
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, num_logits: int = 1) -> torch.Tensor:
+    def forward_rows(self, rows: list[RowPass]) -> list[torch.Tensor]:
+        """Every row's new positions in one pass -> per row logits [num_logits, V] float32.
+
+        Linear layers see all N = sum(T) positions as one matrix, whose rows do not depend on
+        N; attention goes row by row over each row's own cache. So a row's logits are the same
+        bits alone or in any batch (tests/test_batch.py)."""
         shape = self.shape
-        length = int(ids.numel())
-        end = start + length
-        self._reserve(end)
-        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, d]
+        lengths = [int(row.ids.numel()) for row in rows]
+        for row, length in zip(rows, lengths, strict=True):
+            row.cache.reserve(row.start + length)
+        positions = torch.cat([torch.arange(row.start, row.start + length)
+                               for row, length in zip(rows, lengths, strict=True)])
+        cos, sin = self.cos[positions], self.sin[positions]  # [N, d]
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-        x = self.embed[ids.to(self.device)]  # [T, H]
+        x = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]  # [N, H]
+        total = x.shape[0]
         for index, layer in enumerate(self.layers):
-            # 1. Attention: fused q/k/v, rotary positions on q and k at once, K/V into the cache.
-            qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [T, (nh + 2 nkv) d]
-            qk = _rotate(qkv[:, :rotary_width].view(length, -1, shape.head_dim), cos, sin)
-            q, k = qk.split([shape.num_heads, shape.num_kv_heads], dim=1)  # [T, heads, d]
-            v = qkv[:, rotary_width:].view(length, shape.num_kv_heads, shape.head_dim)
-            self.keys[index, :, start:end] = k.transpose(0, 1)  # [nkv, T, d]
-            self.values[index, :, start:end] = v.transpose(0, 1)
-            attended = self._attend(q.transpose(0, 1), index, start, end)  # [nh, T, d]
-            x = x + layer.out(attended.transpose(0, 1).reshape(length, -1))
-            # 2. SwiGLU MLP.
+            # 1. Fused q/k/v for every position, rotary positions on q and k at once.
+            qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [N, (nh + 2 nkv) d]
+            qk = _rotate(qkv[:, :rotary_width].view(total, -1, shape.head_dim), cos, sin)
+            q, k = qk.split([shape.num_heads, shape.num_kv_heads], dim=1)  # [N, heads, d]
+            v = qkv[:, rotary_width:].view(total, shape.num_kv_heads, shape.head_dim)
+            # 2. Row by row: K/V into the row's cache, attention over it.
+            attended, offset = [], 0
+            for row, length in zip(rows, lengths, strict=True):
+                span, end = slice(offset, offset + length), row.start + length
+                row.cache.keys[index, :, row.start:end] = k[span].transpose(0, 1)  # [nkv, T, d]
+                row.cache.values[index, :, row.start:end] = v[span].transpose(0, 1)
+                attended.append(self._attend(q[span].transpose(0, 1), row.cache, index,
+                                             row.start, end))  # [nh, T, d]
+                offset += length
+            attended = attended[0] if len(attended) == 1 else torch.cat(attended, dim=1)
+            x = x + layer.out(attended.transpose(0, 1).reshape(total, -1))
+            # 3. SwiGLU MLP.
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        last = self._norm(x[-num_logits:], self.final_norm)
-        return self.lm_head(last).float()  # [num_logits, V]
+        # 4. The head, only for the positions whose logits are wanted.
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        wanted = torch.cat([torch.arange(end - row.num_logits, end)
+                            for row, end in zip(rows, ends, strict=True)])
+        logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
+        return list(logits.split([row.num_logits for row in rows]))
 
-    def _attend(self, q: torch.Tensor, index: int, start: int, end: int) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: KVCache, index: int, start: int, end: int
+                ) -> torch.Tensor:
         """q [nh, T, d] -> [nh, T, d], causal over the cache up to `end`."""
-        keys, values = self.keys[index], self.values[index]  # [nkv, capacity, d]
+        keys, values = cache.keys[index], cache.values[index]  # [nkv, capacity, d]
         heads, length, dim = q.shape
         group = heads // self.shape.num_kv_heads
         # Passes up to INVARIANT_MAX positions go query by query over exactly each query's keys,
@@ -225,22 +289,6 @@ class NativeLlama:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), weight.shape, weight, self.shape.rms_norm_eps).to(self.dtype)
-
-    def _reserve(self, length: int) -> None:
-        if length > self.shape.max_positions:
-            raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
-                             f"{self.shape.max_positions}")
-        capacity = 0 if self.keys is None else self.keys.shape[2]
-        if length <= capacity:
-            return
-        capacity = min(self.shape.max_positions, max(length, 2 * capacity, 256))
-        size = (self.shape.num_layers, self.shape.num_kv_heads, capacity, self.shape.head_dim)
-        keys = torch.zeros(size, dtype=self.dtype, device=self.device)
-        values = torch.zeros(size, dtype=self.dtype, device=self.device)
-        if self.keys is not None:
-            old = self.keys.shape[2]
-            keys[:, :, :old], values[:, :, :old] = self.keys, self.values
-        self.keys, self.values = keys, values
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,24 +1,31 @@
-"""The native model behind the same interface as `verispec.runtime.CachedModel`."""
+"""The native model behind the same interface as `verispec.runtime.CachedModel`, one sequence
+per runner; `batched_logits` runs many runners of one model in a single forward pass."""
 
 from __future__ import annotations
 
 import torch
 
-from verispec.native.llama import NativeLlama
+from verispec.native.llama import NativeLlama, RowPass
 from verispec.runtime import CachedModel
 
 
 class NativeCachedModel(CachedModel):
-    """One sequence of a NativeLlama. Its KV buffer is indexed by position, so truncating the
-    cache is only forgetting the ids: the next pass writes over the stale positions."""
+    """One sequence of a NativeLlama, with its own KV cache. The cache is indexed by position, so
+    truncating it is only forgetting the ids: the next pass writes over the stale positions.
+    Runners made by `sibling()` share the model's weights, one sequence each."""
 
     def __init__(self, model: NativeLlama) -> None:
         self.model = model
         self.device = model.device
         self.vocab_size = int(model.lm_head.out_features)
         self.max_positions = model.shape.max_positions
+        self.cache = model.new_cache()
         self._cached_ids = torch.empty(0, dtype=torch.long)
         self.forward_calls = 0
+
+    def sibling(self) -> NativeCachedModel:
+        """Another sequence on the same weights."""
+        return NativeCachedModel(self.model)
 
     def describe(self) -> str:
         return self.model.describe()
@@ -27,7 +34,25 @@ class NativeCachedModel(CachedModel):
         self._cached_ids = torch.empty(0, dtype=torch.long)
 
     def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
-        return self.model.forward(new_ids, start=start, num_logits=num_logits)
+        return self.model.forward(new_ids, start, num_logits, self.cache)
 
     def _truncate(self, length: int) -> None:
         pass
+
+
+def batched_logits(runners: list[NativeCachedModel], sequences: list[torch.Tensor],
+                   num_logits: list[int]) -> list[torch.Tensor]:
+    """runner.logits(ids, n) for every (runner, ids, n) at once: one forward pass of the shared
+    model over every row's new positions -> per row logits [n, V]. A row's logits equal what
+    runner.logits alone returns, bit for bit."""
+    model = runners[0].model
+    if any(runner.model is not model for runner in runners):
+        raise ValueError("batched rows must share one model")
+    rows = []
+    for runner, ids, count in zip(runners, sequences, num_logits, strict=True):
+        keep = runner.prepare(ids, count)
+        rows.append(RowPass(runner.cache, ids[keep:], keep, count))
+    logits = model.forward_rows(rows)
+    for runner, ids in zip(runners, sequences, strict=True):
+        runner.commit(ids)
+    return logits

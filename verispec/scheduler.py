@@ -1,0 +1,219 @@
+"""Batched speculative decoding with continuous batching, driven step by step.
+
+    scheduler = Scheduler(decoder, max_batch=16)
+    rid = scheduler.add("Hello", SamplingParams(max_new_tokens=64))
+    while scheduler.has_work:
+        for event in scheduler.step():   # one round for every running request
+            ...event.request_id, event.text, event.output (set when it finished)
+    scheduler.cancel(rid)                # any time between steps
+
+Each round every running request drafts, all of them are verified in one target pass (each row
+at its own position, with its own draft length), and each accepts its own number of tokens.
+Requests finish on their own (EOS, stop strings, max_new_tokens) and leave; waiting requests
+join between rounds. On the native runtime a row's logits do not depend on the batch, so its
+output is the one it gets decoded alone (greedy: token for token; sampled: the same draws for
+the same seed).
+
+K for a round: with k="auto" the batch shares the K that maximises expected tokens per unit of
+time at this batch size (`theory.batch_optimal_k`, costs measured per batch size), shrinking to
+0 (plain batched decoding) when the bigger verification pass stops paying.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from verispec.drafters import ModelDrafter
+from verispec.drafters.base import Draft, Drafter, empty_draft
+from verispec.drafters.model import propose_together
+from verispec.engine import Sequence
+from verispec.params import SamplingParams
+from verispec.policy import AdaptiveK, CostModel, measure_batch_costs
+from verispec.runtime import CachedModel, batched_logits
+from verispec.sampling import make_generator
+from verispec.stats import StatsRecorder
+from verispec.text import TextStream
+from verispec.theory import batch_optimal_k
+
+COST_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # cost models are measured at these batch sizes
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """New text of one request after a round; `output` is set on its last event."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    output: object | None = None  # verispec.decoder.GenerationOutput
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: int
+    prompt_ids: torch.Tensor
+    params: SamplingParams
+    sequence: Sequence | None = None  # set when the request joins the batch
+    runner: CachedModel | None = None
+    drafter: Drafter | None = None
+    text: TextStream | None = None
+    stats: StatsRecorder | None = None
+
+
+class Scheduler:
+    def __init__(self, decoder, max_batch: int = 16) -> None:
+        """decoder: a verispec.SpeculativeDecoder (its target, drafter, K and tokenizer)."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.decoder = decoder
+        self.max_batch = max_batch
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self._ids = itertools.count()
+        self._free_runners: list[CachedModel] = []
+        self._free_drafters: list[Drafter] = []
+        self._costs: dict[int, CostModel] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, prompt, params: SamplingParams | None = None, chat: bool | None = None) -> int:
+        """Queue a request; bad input raises here. Returns its id."""
+        params = params or SamplingParams()
+        prompt_ids = self.decoder.encode(prompt, self.decoder.chat if chat is None else chat)
+        if params.stop and self.decoder.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        request = _Request(next(self._ids), prompt_ids, params)
+        self.waiting.append(request)
+        return request.request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request, waiting or running; the other rows are not disturbed. False if it is
+        unknown or already finished."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return True
+        for request in self.running:
+            if request.request_id == request_id:
+                self._release(request)
+                return True
+        return False
+
+    def step(self) -> list[Event]:
+        """One round for every running request (after admitting waiting ones)."""
+        # 1. Join: waiting requests take free slots.
+        while self.waiting and len(self.running) < self.max_batch:
+            self._admit(self.waiting.popleft())
+        running = list(self.running)
+        if not running:
+            return []
+        # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes).
+        k = self._round_k(running)
+        drafts = self._propose(running, [r.sequence.num_to_draft(k) for r in running])
+        # 3. One target pass over every row's history + draft.
+        rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
+        logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
+                                [rd.num_logits for rd in rounds])
+        # 4. Each row verifies and accepts its own number of tokens; finished rows leave.
+        events = []
+        for request, round, row_logits in zip(running, rounds, logits, strict=True):
+            events.append(self._advance(request, request.sequence.finish(round, row_logits)))
+        return events
+
+    def run(self) -> dict[int, object]:
+        """Step until every request finished -> {request_id: GenerationOutput}."""
+        outputs = {}
+        while self.has_work:
+            for event in self.step():
+                if event.output is not None:
+                    outputs[event.request_id] = event.output
+        return outputs
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _admit(self, request: _Request) -> None:
+        decoder = self.decoder
+        request.runner = self._free_runners.pop() if self._free_runners else \
+            decoder.target.sibling()
+        request.runner.reset()
+        if decoder.drafter is not None:
+            request.drafter = self._free_drafters.pop() if self._free_drafters else \
+                decoder.drafter.fork()
+            request.drafter.reset()
+        request.stats = StatsRecorder(k=decoder.k)
+        request.text = TextStream(decoder.tokenizer, request.params.stop)
+        generator = make_generator(request.params.seed, decoder.target.device)
+        request.sequence = Sequence(request.prompt_ids, request.params, decoder.new_policy(),
+                                    decoder.eos_ids, generator, request.stats,
+                                    decoder.target.max_positions)
+        self.running.append(request)
+
+    def _release(self, request: _Request) -> None:
+        self.running.remove(request)
+        self._free_runners.append(request.runner)
+        if request.drafter is not None:
+            self._free_drafters.append(request.drafter)
+
+    def _round_k(self, running: list[_Request]) -> int | None:
+        """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic);
+        under "auto" the batch shares one K priced at its batch size."""
+        if self.decoder.drafter is None:
+            return 0
+        policies = [r.sequence.policy for r in running]
+        if not all(isinstance(p, AdaptiveK) for p in policies):
+            return None
+        costs = self._batch_costs(len(running))
+        for policy in policies:  # each row's own cut (AdaptiveK.keep) uses the batch's prices
+            policy.costs = costs
+        if costs.draft_step < 0.01:  # a free drafter: propose the most, rows cut by source
+            return costs.k_max
+        gammas = [policy.gamma(0) for policy in policies]
+        return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max)
+
+    def _batch_costs(self, batch: int) -> CostModel:
+        size = next((b for b in COST_BATCH_SIZES if b >= batch), COST_BATCH_SIZES[-1])
+        if size == 1:
+            return self.decoder.costs
+        if size not in self._costs:
+            self._costs[size] = measure_batch_costs(self.decoder.target, self.decoder.drafter,
+                                                    batch=size, k_max=self.decoder.costs.k_max)
+        return self._costs[size]
+
+    def _propose(self, running: list[_Request], ks: list[int]) -> list[Draft]:
+        drafts: list[Draft] = [empty_draft() for _ in running]
+        model_rows = [i for i, r in enumerate(running)
+                      if isinstance(r.drafter, ModelDrafter) and ks[i] > 0]
+        if model_rows:
+            proposed = propose_together(
+                [running[i].drafter for i in model_rows],
+                [running[i].sequence.history for i in model_rows], [ks[i] for i in model_rows],
+                [running[i].params for i in model_rows],
+                [running[i].sequence.generator for i in model_rows])
+            for i, draft in zip(model_rows, proposed, strict=True):
+                drafts[i] = draft
+        for i, request in enumerate(running):
+            if request.drafter is not None and ks[i] > 0 and i not in model_rows:
+                drafts[i] = request.drafter.propose(request.sequence.history, ks[i],
+                                                    request.params, request.sequence.generator)
+        return drafts
+
+    def _advance(self, request: _Request, new_ids: list[int]) -> Event:
+        """Text for the round's tokens; finish the request on a stop string, EOS or budget."""
+        text, start = request.text, len(request.text.ids)
+        piece = text.add(new_ids)
+        if text.stopped:
+            new_ids = text.ids[start: text.num_tokens]
+        elif not request.sequence.finished:
+            return Event(request.request_id, piece, new_ids)
+        else:
+            piece += text.flush()
+        self._release(request)
+        output = self.decoder.make_output(text, request.params, request.stats)
+        return Event(request.request_id, piece, new_ids, output)
+
