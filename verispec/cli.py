@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop at EOS instead of generating exactly --max-new-tokens")
     bench.add_argument("--hf-ngram-tokens", type=int, default=10,
                        help="prompt_lookup_num_tokens for hf-ngram (default 10)")
+    bench.add_argument("--batch-size", default=None,
+                       help="comma-separated batch sizes (1,4,16): measure batched throughput "
+                            "of verispec's methods against its plain batched decoding")
     bench.add_argument("--out", default="bench_out")
     bench.set_defaults(run=run_bench)
 
@@ -128,11 +131,21 @@ def run_bench(args: argparse.Namespace) -> int:
         ks=tuple(k.strip() for k in args.k.split(",") if k.strip()), target=args.target,
         draft=args.draft, dtype=args.dtype, runtime=args.runtime, int8=args.int8,
         seed=args.seed, ignore_eos=not args.stop_at_eos,
-        hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out))
+        hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
+        batch_sizes=parse_sizes(args.batch_size))
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)
     return 0
+
+
+def parse_sizes(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--batch-size takes integers like 1,4,16, got {text!r}") from None
 
 
 def run_costs(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from verispec.policy import (
     FixedK,
     HeuristicK,
     KPolicy,
+    measure_batch_costs,
     measure_costs,
     parse_k,
 )
@@ -35,6 +36,7 @@ Prompt = str | Sequence[int]
 DEFAULT_K = "auto"  # won the K sweep on Spec-Bench against every fixed K and the heuristic
 HEURISTIC_START_K = 5
 AUTO_K_MAX = 8
+COST_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch cost models are measured at these sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,7 @@ class SpeculativeDecoder:
         self.chat = chat
         self.eos_ids = _eos_ids(target, tokenizer)
         self._costs: CostModel | None = None
+        self._batch_costs: dict[int, CostModel] = {}
 
     @property
     def costs(self) -> CostModel:
@@ -92,6 +95,20 @@ class SpeculativeDecoder:
                      " ".join(f"{v:.2f}" for v in self._costs.verify),
                      self._costs.target_step_s * 1e3)
         return self._costs
+
+    def batch_costs(self, batch: int) -> CostModel:
+        """The cost model of a batch of this size (rounded up to a measured size), in units of
+        a plain batched step; measured once per size."""
+        size = next((b for b in COST_BATCH_SIZES if b >= batch), COST_BATCH_SIZES[-1])
+        if size == 1:
+            return self.costs
+        if size not in self._batch_costs:
+            costs = measure_batch_costs(self.target, self.drafter, batch=size,
+                                        k_max=AUTO_K_MAX)
+            log.info("cost model at batch %d: c=%.3f, v(1..%d)=%s", size, costs.draft_step,
+                     AUTO_K_MAX + 1, " ".join(f"{v:.2f}" for v in costs.verify))
+            self._batch_costs[size] = costs
+        return self._batch_costs[size]
 
     def reset(self) -> None:
         """Drop the KV caches, so the next request pays its full prompt pass (benchmarks)."""

@@ -32,14 +32,12 @@ from verispec.drafters.base import Draft, Drafter, empty_draft
 from verispec.drafters.model import propose_together
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
-from verispec.policy import AdaptiveK, CostModel, measure_batch_costs
+from verispec.policy import AdaptiveK
 from verispec.runtime import CachedModel, batched_logits
 from verispec.sampling import make_generator
 from verispec.stats import StatsRecorder
 from verispec.text import TextStream
 from verispec.theory import batch_optimal_k
-
-COST_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # cost models are measured at these batch sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +74,6 @@ class Scheduler:
         self._ids = itertools.count()
         self._free_runners: list[CachedModel] = []
         self._free_drafters: list[Drafter] = []
-        self._costs: dict[int, CostModel] = {}
 
     @property
     def has_work(self) -> bool:
@@ -168,22 +165,13 @@ class Scheduler:
         policies = [r.sequence.policy for r in running]
         if not all(isinstance(p, AdaptiveK) for p in policies):
             return None
-        costs = self._batch_costs(len(running))
+        costs = self.decoder.batch_costs(len(running))
         for policy in policies:  # each row's own cut (AdaptiveK.keep) uses the batch's prices
             policy.costs = costs
         if costs.draft_step < 0.01:  # a free drafter: propose the most, rows cut by source
             return costs.k_max
         gammas = [policy.gamma(0) for policy in policies]
         return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max)
-
-    def _batch_costs(self, batch: int) -> CostModel:
-        size = next((b for b in COST_BATCH_SIZES if b >= batch), COST_BATCH_SIZES[-1])
-        if size == 1:
-            return self.decoder.costs
-        if size not in self._costs:
-            self._costs[size] = measure_batch_costs(self.decoder.target, self.decoder.drafter,
-                                                    batch=size, k_max=self.decoder.costs.k_max)
-        return self._costs[size]
 
     def _propose(self, running: list[_Request], ks: list[int]) -> list[Draft]:
         drafts: list[Draft] = [empty_draft() for _ in running]

@@ -31,6 +31,7 @@ class BenchConfig:
     ignore_eos: bool = True  # fixed-length outputs: every method generates max_new_tokens
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example
     out: Path = Path("bench_out")
+    batch_sizes: tuple[int, ...] = ()  # set: the batched throughput benchmark at these sizes
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in ALL_METHODS]
@@ -47,5 +48,9 @@ class BenchConfig:
             raise ValueError("max_new_tokens must be >= 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be integers >= 1, got {self.batch_sizes}")
+        if self.batch_sizes and "baseline" not in self.methods:
+            raise ValueError("the batched benchmark needs the baseline method")
         if self.prompts is not None and not Path(self.prompts).is_file():
             raise ValueError(f"prompts file not found: {self.prompts}")

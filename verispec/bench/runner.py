@@ -13,6 +13,7 @@ import transformers
 from tqdm import tqdm
 
 from verispec import loading
+from verispec.bench.batch import run_batch_bench, write_batch_outputs
 from verispec.bench.config import BenchConfig
 from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
@@ -55,6 +56,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                if config.prompts else builtin_prompts(config.per_category, config.limit))
     prompt_ids = [encoder.encode(p.text, chat=True).tolist() for p in prompts]
 
+    if config.batch_sizes:
+        return _run_batched(config, methods, notes, prompt_ids, model, runners)
+
     # 3. Warm-up (and the cost model of every adaptive method), then the interleaved runs.
     costs = {}
     for method in methods:
@@ -81,6 +85,24 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     results.update(config=config_dict(config), machine=machine_info(config, model, runners),
                    costs=costs, notes=notes)
     write_outputs(results, config.out)
+    return results
+
+
+def _run_batched(config: BenchConfig, methods, notes, prompt_ids, model, runners) -> dict:
+    """Batched throughput of verispec's methods (transformers' have no batched assisted path)."""
+    skipped = [m.name for m in methods if m.runtime != "verispec"]
+    if skipped:
+        notes.append(f"{', '.join(skipped)} skipped: the batched benchmark compares verispec's "
+                     "methods with verispec's plain batched decoding")
+    mine = [m for m in methods if m.runtime == "verispec"]
+    if not mine or mine[0].name != "baseline":
+        raise ValueError("the batched benchmark needs the baseline method")
+    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                            seed=config.seed, ignore_eos=config.ignore_eos)
+    results = dict(batch=run_batch_bench(mine, prompt_ids, config.batch_sizes, params),
+                   config=config_dict(config), machine=machine_info(config, model, runners),
+                   notes=notes, prompts_count=len(prompt_ids))
+    write_batch_outputs(results, config.out)
     return results
 
 

@@ -1,0 +1,123 @@
+"""Batched throughput: verispec's speculative methods against its own plain batched decoding.
+
+For each batch size B the prompts are cut into chunks of B; every chunk is decoded by every
+method as one batch (`SpeculativeDecoder.generate(list)`), methods rotated chunk by chunk so
+machine noise hits them alike. Throughput is all generated tokens over all wall time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+from verispec.params import SamplingParams
+
+
+def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int, ...],
+                    params: SamplingParams, progress: bool = True) -> dict:
+    """methods: VerispecMethod objects (their decoders), baseline first -> results by B."""
+    from verispec.bench.runner import rotated
+
+    results: dict = {"batch_sizes": list(batch_sizes), "by_batch": {}}
+    total = sum(len(range(0, len(prompt_ids), b)) for b in batch_sizes) * len(methods)
+    bar = tqdm(total=total, desc="batch bench", unit="batch", disable=not progress,
+               file=sys.stderr)
+    for batch in batch_sizes:
+        chunks = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
+        # 1. Warm-up at this batch size (and its cost model, measured once per size).
+        for method in methods:
+            method.decoder.generate(chunks[0], SamplingParams(max_new_tokens=8, ignore_eos=True),
+                                    max_batch=batch)
+        totals = {m.name: dict(new_tokens=0, wall_s=0.0, accepted=0, checked=0, equal=0,
+                               compared=0) for m in methods}
+        # 2. Every chunk by every method, rotated.
+        for c, chunk in enumerate(chunks):
+            outputs = {}
+            for method in rotated(methods, c):
+                bar.set_postfix_str(f"B={batch}: {method.name}")
+                start = time.perf_counter()
+                outputs[method.name] = method.decoder.generate(chunk, params, max_batch=batch)
+                wall = time.perf_counter() - start
+                entry = totals[method.name]
+                entry["wall_s"] += wall
+                entry["new_tokens"] += sum(len(o.token_ids) for o in outputs[method.name])
+                entry["accepted"] += sum(o.stats.accepted for o in outputs[method.name])
+                entry["checked"] += sum(o.stats.checked for o in outputs[method.name])
+                bar.update()
+            reference = [o.token_ids for o in outputs[methods[0].name]]
+            for method in methods[1:]:
+                got = [o.token_ids for o in outputs[method.name]]
+                totals[method.name]["equal"] += sum(a == b for a, b in zip(got, reference,
+                                                                          strict=True))
+                totals[method.name]["compared"] += len(chunk)
+        # 3. Throughput and its ratio to plain batched decoding at this batch size.
+        base = totals[methods[0].name]
+        base_rate = base["new_tokens"] / base["wall_s"]
+        results["by_batch"][batch] = {
+            name: dict(new_tokens=e["new_tokens"], wall_s=e["wall_s"],
+                       tokens_per_s=e["new_tokens"] / e["wall_s"],
+                       speedup=e["new_tokens"] / e["wall_s"] / base_rate,
+                       acceptance_rate=e["accepted"] / e["checked"] if e["checked"] else None,
+                       greedy_equal_to_baseline=(f"{e['equal']}/{e['compared']}"
+                                                 if e["compared"] and params.greedy else None))
+            for name, e in totals.items()}
+    bar.close()
+    return results
+
+
+def write_batch_outputs(results: dict, out) -> None:
+    import json
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    cfg, machine = results["config"], results["machine"]
+    header = [
+        "# verispec bench: batched",
+        "",
+        f"{results['prompts_count']} prompts, {cfg['max_new_tokens']} new tokens, temperature "
+        f"{cfg['temperature']}, K {', '.join(map(str, cfg['ks']))}, verispec on "
+        f"{machine['runtime']}, {machine['torch_threads']} threads, torch {machine['torch']}, "
+        f"{machine['processor']} x{machine['cpu_count']}."]
+    notes = [f"\nNote: {note}" for note in results.get("notes", [])]
+    text = "\n".join(header + render_batch_markdown(results["batch"]) + notes) + "\n"
+    (out / "report.md").write_text(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    by_batch = results["batch"]["by_batch"]
+    sizes = list(by_batch)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in by_batch[sizes[0]]:
+        ax.plot(sizes, [by_batch[b][name]["tokens_per_s"] for b in sizes], marker="o",
+                label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens/s (all rows)")
+    ax.set_title("Throughput against batch size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput_by_batch.png", dpi=120)
+    plt.close(fig)
+
+
+def render_batch_markdown(batch: dict) -> list[str]:
+    lines = ["", "## Batched throughput", "",
+             "Total generated tokens/s, each chunk of prompts decoded as one batch; speedup over "
+             "verispec's plain batched decoding at the same batch size.", "",
+             "| batch size | method | tokens/s | speedup | acceptance | greedy = baseline |",
+             "|---|---|---|---|---|---|"]
+    for size, methods in batch["by_batch"].items():
+        for name, e in methods.items():
+            acceptance = "–" if e["acceptance_rate"] is None else f"{e['acceptance_rate']:.2f}"
+            lines.append(f"| {size} | {name} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f} | "
+                         f"{acceptance} | {e['greedy_equal_to_baseline'] or '–'} |")
+    return lines
