@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="K for verispec's speculative methods; a list (1,2,4,auto,heuristic)"
                             " runs each")
     bench.add_argument("--target", default=None)
-    bench.add_argument("--draft", default=None, help="draft model for 'draft' and 'hf-assisted'")
+    bench.add_argument("--draft", default="default",
+                       help="draft model for 'draft' and 'hf-assisted' (default: the draft "
+                            "shipped for the target, if any)")
     add_runtime_args(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--stop-at-eos", action="store_true",

@@ -150,7 +150,7 @@ class SpeculativeDecoder:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
         model, tokenizer = loading.load(target, dtype=dtype, device=device)
         drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device,
-                               runtime=runtime, int8=int8)
+                               runtime=runtime, int8=int8, target_spec=target)
         return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
                    int8=int8)
 
@@ -259,13 +259,17 @@ def _is_batch(prompt) -> bool:
 
 
 def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
-                 device: str = "cpu", runtime: str = "auto", int8: bool = False
-                 ) -> Drafter | None:
-    """Build the drafter that `draft` names: None / "none", "default", "ngram" or a model path.
-    A draft model runs on the same runtime, dtype and quantization as the target."""
+                 device: str = "cpu", runtime: str = "auto", int8: bool = False,
+                 target_spec=None) -> Drafter | None:
+    """Build the drafter that `draft` names: None / "none", "ngram", a model path, or "default":
+    the draft shipped for the target (`target_spec`, as given to `loading.load`; the distilled
+    SmolLM2 draft for the embedded model), n-gram lookup for any other target. A draft model
+    runs on the same runtime, dtype and quantization as the target."""
     if draft is None or draft == "none":
         return None
-    if draft in ("default", "ngram"):
+    if draft == "default":
+        draft = loading.default_draft(target_spec) or "ngram"
+    if draft == "ngram":
         return NgramDrafter()
     from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle
 

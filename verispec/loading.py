@@ -154,3 +154,20 @@ def _save_dequantised(model: PreTrainedModel, folder: Path) -> None:
     model.generation_config.save_pretrained(folder)
     safetensors.torch.save_model(model, str(folder / "model.safetensors"),
                                  metadata={"format": "pt"})
+
+
+SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+EMBEDDED_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-instruct"  # distilled by `verispec distill`
+
+
+def default_draft(target_spec: str | os.PathLike | None) -> Path | None:
+    """The draft shipped for a target: the distilled SmolLM2 draft when the target is the
+    embedded default model (given as None or as the path of its GGUF), else None."""
+    if not (EMBEDDED_DRAFT / "config.json").is_file():
+        return None
+    if target_spec is None:
+        return EMBEDDED_DRAFT
+    try:
+        return EMBEDDED_DRAFT if resolve(target_spec) == resolve(None) else None
+    except ModelNotFoundError:
+        return None

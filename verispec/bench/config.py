@@ -23,7 +23,7 @@ class BenchConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
     ks: tuple[int | str, ...] = ("auto",)  # several: every speculative verispec method runs each
     target: str | None = None
-    draft: str | None = None  # a draft model for `draft` and `hf-assisted`
+    draft: str | None = "default"  # for `draft`, `hf-assisted`: a path, or the shipped one
     dtype: str = "auto"  # verispec's runners (see make_runner); hf-* run float32 under auto
     runtime: str = "auto"  # auto | hf | native, for verispec's methods
     int8: bool = False  # weight-only int8 (native runtime), verispec's methods

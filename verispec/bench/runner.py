@@ -32,13 +32,16 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     # 1. Models, loaded once and shared by every method.
     model, tokenizer = loading.load(config.target, dtype=config.dtype)
     draft_model, assistant_model, head_token_ids = None, None, None
-    if config.draft is not None and is_distilled_draft(config.draft):
+    draft = config.draft
+    if draft == "default":
+        draft = loading.default_draft(config.target)
+    if draft is not None and is_distilled_draft(draft):
         # verispec drafts with the subset head it was trained with; transformers needs
         # full-width logits, so its assistant is the same layers with the target's full head.
-        draft_model, head_token_ids = load_draft(config.draft, model, tokenizer)
-        assistant_model, _ = load_draft(config.draft, model, tokenizer, full_head=True)
-    elif config.draft is not None:
-        draft_model, draft_tokenizer = loading.load(config.draft, dtype=config.dtype)
+        draft_model, head_token_ids = load_draft(draft, model, tokenizer)
+        assistant_model, _ = load_draft(draft, model, tokenizer, full_head=True)
+    elif draft is not None:
+        draft_model, draft_tokenizer = loading.load(draft, dtype=config.dtype)
         check_vocab(model, tokenizer, draft_model, draft_tokenizer)
         assistant_model = draft_model
     # verispec's methods share one runner per model (each run resets its cache); hf-* methods
@@ -117,7 +120,8 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
     methods, notes = [], []
     for name in config.methods:
         if name in ("draft", "hf-assisted") and runners.draft is None:
-            notes.append(f"{name} skipped: no draft model given (--draft PATH)")
+            notes.append(f"{name} skipped: no draft model given (--draft PATH), and none is "
+                         "shipped for this target")
             continue
         if name == "baseline":
             methods.append(VerispecMethod(name, SpeculativeDecoder(
