@@ -71,3 +71,23 @@ def test_cli_json_ngram_matches_none():
     spec, plain = run("ngram"), run("none")
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["text"] and spec["stats"]["target_forwards"] < plain["stats"]["target_forwards"]
+
+
+def test_native_runtime_matches_transformers_on_smollm2(smollm):
+    """fp32 logits within 1e-3 of transformers' over a prompt pass and a verification-sized pass;
+    plain greedy output identical."""
+    import torch
+
+    model, tokenizer = smollm
+    ids = torch.tensor(tokenizer(PROMPTS[0])["input_ids"])
+    with torch.no_grad():
+        reference = model(ids.unsqueeze(0)).logits[0].float()  # [L, V]
+    native = make_runner(model, "native", dtype="float32")
+    prefill = native.logits(ids[:-6], ids.numel() - 6)
+    verify = native.logits(ids, 6)
+    assert (prefill - reference[:-6]).abs().max() < 1e-3
+    assert (verify - reference[-6:]).abs().max() < 1e-3
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    hf = SpeculativeDecoder(model, tokenizer, None, runtime="hf").generate(PROMPTS[1], params)
+    fp32 = SpeculativeDecoder(model, tokenizer, None, runtime=native).generate(PROMPTS[1], params)
+    assert fp32.token_ids == hf.token_ids
