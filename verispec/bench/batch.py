@@ -12,6 +12,7 @@ import time
 
 from tqdm import tqdm
 
+from verispec.decoder import COST_BATCH_SIZES
 from verispec.params import SamplingParams
 
 
@@ -26,10 +27,16 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
                file=sys.stderr)
     for batch in batch_sizes:
         chunks = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
-        # 1. Warm-up at this batch size (and its cost model, measured once per size).
+        # 1. Warm-up at this batch size, and the cost models of every batch size a shrinking
+        #    batch passes through (measured once per size), outside the timed runs.
         for method in methods:
-            method.decoder.generate(chunks[0], SamplingParams(max_new_tokens=8, ignore_eos=True),
-                                    max_batch=batch)
+            decoder = method.decoder
+            if decoder.k == "auto" and decoder.drafter is not None:
+                for size in COST_BATCH_SIZES:
+                    if size <= batch:
+                        decoder.batch_costs(size)
+            decoder.generate(chunks[0], SamplingParams(max_new_tokens=8, ignore_eos=True),
+                             max_batch=batch)
         totals = {m.name: dict(new_tokens=0, wall_s=0.0, accepted=0, checked=0, equal=0,
                                compared=0) for m in methods}
         # 2. Every chunk by every method, rotated.
