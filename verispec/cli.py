@@ -1,4 +1,4 @@
-"""`verispec` command line: generate (more subcommands come with the benchmark and server)."""
+"""`verispec` command line: generate, bench, costs, distill, serve."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     costs.set_defaults(run=run_costs)
 
     add_distill_command(commands)
+    add_serve_command(commands)
     return parser
 
 
@@ -166,6 +167,40 @@ def run_costs(args: argparse.Namespace) -> int:
                       "target_step_ms": round(costs.target_step_s * 1e3, 2),
                       "draft_step_c": round(costs.draft_step, 4),
                       "verify_v": [round(v, 3) for v in costs.verify]}))
+    return 0
+
+
+def add_serve_command(commands) -> None:
+    """`verispec serve`: the OpenAI-compatible HTTP server (verispec.server)."""
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_model_args(serve)
+    serve.add_argument("--k", default="auto",
+                       help="draft tokens per round: 'auto' (default), a number, or 'heuristic'")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=int, default=16,
+                       help="requests decoded together (default 16)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting for a slot; more are answered 429 (default 64)")
+    serve.add_argument("--model-name", default=None,
+                       help="the `model` clients name (default: the target's folder or file "
+                            "name, smollm2-135m-instruct for the embedded model)")
+    serve.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from verispec import SpeculativeDecoder
+
+    try:
+        from verispec.server import default_model_name, serve
+    except ImportError as err:
+        raise VerispecError(f"`verispec serve` needs the serve extra: pip install "
+                            f"'verispec[serve]' ({err})") from None
+    decoder = SpeculativeDecoder.from_pretrained(
+        target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
+        runtime=args.runtime, int8=args.int8)
+    serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
+          port=args.port, max_batch=args.max_batch, max_queue=args.max_queue)
     return 0
 
 

@@ -1,0 +1,391 @@
+"""`verispec serve`: the OpenAI-compatible server on loopback, driven by the official client.
+
+A tiny native-runtime Llama behind a byte tokenizer (with a toy chat template) is served by
+uvicorn in a background thread. Batched rows on the native runtime decode exactly as alone, so
+every temperature-0 response must equal `decoder.generate` on the same prompt, also under load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from conftest import EOS_ID, byte_tokenizer, tiny_llama
+from openai import OpenAI
+
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.drafters import NgramDrafter
+from verispec.scheduler import Scheduler
+from verispec.server import create_app
+from verispec.server.loadtest import percentile, run_load
+from verispec.server.prompts import chat_ids
+
+MODEL = "tiny"
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+PROMPTS = ["abcabcabc", "hello world, hello", "the quick brown fox", "zz", "one two one two",
+           "lorem ipsum dolor", "aaaa bbbb aaaa", "0123456789", "xyzzy", "tick tock tick",
+           "red green blue red", "the cat sat on the", "print('hi')", "ababababab", "q",
+           "speculative decoding"]
+LONG = 1500  # tokens: with slow_rounds, a request still running when the test acts on it
+
+
+@pytest.fixture(scope="module")
+def decoder() -> SpeculativeDecoder:
+    tokenizer = byte_tokenizer()  # a fresh one: the chat template must not leak to other tests
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_llama(EOS_ID + 1, seed=11, dtype=torch.float32)
+    return SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=3, runtime="native")
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serve app on 127.0.0.1 (a free port) in a thread -> the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def app(decoder):
+    return create_app(decoder, MODEL, max_batch=16, max_queue=64)
+
+
+@pytest.fixture(scope="module")
+def url(app):
+    with running(app) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def alone(decoder, prompt, max_tokens: int, **params) -> str:
+    """The text of the same request decoded alone (call only while the server is idle)."""
+    return decoder.generate(prompt, SamplingParams(max_new_tokens=max_tokens, **params),
+                            chat=False).text
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def metric(url: str, name: str) -> float:
+    """A metric's value from /metrics (summed over labels)."""
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
+def test_completion_equals_the_request_decoded_alone(client, decoder):
+    response = client.completions.create(model=MODEL, prompt="abcabcabc", max_tokens=24,
+                                         temperature=0)
+    choice = response.choices[0]
+    assert choice.text == alone(decoder, "abcabcabc", 24)
+    assert response.object == "text_completion" and response.model == MODEL
+    assert response.usage.prompt_tokens == 9
+    assert response.usage.completion_tokens == response.verispec["new_tokens"]
+    assert choice.finish_reason in ("stop", "length")
+    assert {"acceptance_rate", "tokens_per_forward"} <= set(response.verispec)
+    ids = decoder.tokenizer("abcabcabc")["input_ids"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == choice.text
+
+
+def test_defaults_stop_and_seeded_sampling(client, decoder):
+    default = client.completions.create(model=MODEL, prompt="hello", seed=3,
+                                        extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens
+    assert default.choices[0].text == alone(decoder, "hello", 16, temperature=1.0, seed=3,
+                                            ignore_eos=True)  # OpenAI's default temperature
+    sampled = dict(model=MODEL, prompt="hello", max_tokens=20, temperature=0.8, top_p=0.9,
+                   seed=5, extra_body={"top_k": 40})
+    first, second = (client.completions.create(**sampled).choices[0].text for _ in range(2))
+    assert first == second == alone(decoder, "hello", 20, temperature=0.8, top_p=0.9, top_k=40,
+                                    seed=5)
+    text = alone(decoder, "abcabcabc", 24)
+    stop = text[4:6]
+    stopped = client.completions.create(model=MODEL, prompt="abcabcabc", max_tokens=24,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_chat_applies_the_template_to_all_messages(client, decoder):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                             {"type": "text", "text": "there"}]}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                              temperature=0)
+    rendered = "<system>be brief\n<user>hi there\n<assistant>"
+    assert response.choices[0].message.content == alone(decoder, rendered, 20)
+    assert response.choices[0].message.role == "assistant"
+    assert response.object == "chat.completion"
+    assert response.usage.prompt_tokens == len(rendered)
+    assert response.verispec["target_forwards"] >= 1
+
+
+def test_chat_needs_a_chat_template(tokenizer, text_target):
+    decoder = SpeculativeDecoder(text_target, tokenizer, None)  # the plain byte tokenizer
+    with pytest.raises(ValueError, match="no chat template"):
+        chat_ids(decoder, [{"role": "user", "content": "hi"}])
+
+
+def test_streaming_sends_openai_chunks_then_done(client, url, decoder):
+    expected = alone(decoder, "abcabcabc", 40)
+    chunks = list(client.completions.create(model=MODEL, prompt="abcabcabc", max_tokens=40,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert len(chunks) > 3
+    *_, last, usage = chunks
+    assert last.choices[0].finish_reason in ("stop", "length") and "acceptance_rate" in \
+        last.verispec
+    assert usage.choices == [] and usage.usage.completion_tokens == last.verispec["new_tokens"]
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                               temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == alone(
+        decoder, "<user>hi\n<assistant>", 20)
+    assert chat[-1].choices[0].finish_reason is not None
+
+    with httpx.stream("POST", f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": "zz", "max_tokens": 5, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events) and events[-1] == "data: [DONE]"
+
+
+BAD_REQUESTS = [
+    # (body, status, param or None, a piece of the message)
+    (b"{not json", 400, None, "invalid JSON"),
+    (b'{"prompt": "hi"}', 400, "model", "required"),
+    (b'{"model": "tiny"}', 400, "prompt", "required"),
+    (b'{"model": "gpt-4", "prompt": "hi"}', 404, "model", "does not exist"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": 3}', 400, "temperature", "2"),
+    (b'{"model": "tiny", "prompt": "hi", "top_p": 0}', 400, "top_p", "greater than 0"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "1"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n", "not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": 2}', 400, "logprobs", "not supported"),
+    (b'{"model": "tiny", "prompt": ""}', 400, None, "empty"),
+    (b'{"model": "tiny", "prompt": [1, 999]}', 400, None, "token ids"),
+    (b'{"model": "tiny", "prompt": "' + b"a" * 2100 + b'"}', 400, None, "context"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": [""]}', 400, None, "stop"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": true}', 400, "temperature", "number"),
+    (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt", "valid string"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "message"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(url, body, status, param,
+                                                                message):
+    response = httpx.post(f"{url}/v1/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+def test_the_client_raises_openai_errors(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.chat.completions.create(model=MODEL, n=2, max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=3)
+
+
+def test_models_health_and_metrics(client, url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").status_code == 200
+    before = metric(url, "verispec_generated_tokens_total")
+    client.completions.create(model=MODEL, prompt="abcabcabc", max_tokens=10, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(f"{url}/metrics").text
+    assert metric(url, "verispec_generated_tokens_total") == before + 10
+    for name in ("verispec_requests_total{", "verispec_draft_tokens_total",
+                 "verispec_draft_tokens_accepted_total", "verispec_draft_position_checked_total{",
+                 "verispec_draft_position_accepted_total{",
+                 "verispec_time_to_first_token_seconds_bucket",
+                 "verispec_request_latency_seconds_bucket", "verispec_requests_in_flight"):
+        assert name in text, name
+    assert 'verispec_requests_total{path="/v1/completions",status="200"}' in text
+    assert metric(url, "verispec_time_to_first_token_seconds_count") >= 1
+
+
+def test_a_failed_round_fails_its_requests_and_the_server_goes_on(client, monkeypatch):
+    step = Scheduler.step
+
+    def fail_once(scheduler):
+        monkeypatch.setattr(Scheduler, "step", step)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Scheduler, "step", fail_once)
+    with pytest.raises(openai.InternalServerError, match="boom"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
+    monkeypatch.setattr(Scheduler, "step", fail_once)
+    chunks = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, stream=True)
+    with pytest.raises(openai.APIError, match="boom"):
+        list(chunks)
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=8).choices[0].text
+
+
+@pytest.fixture
+def slow_rounds(monkeypatch):
+    """Every scheduler round takes at least 5 ms, so a LONG request lasts seconds anywhere."""
+    step = Scheduler.step
+
+    def slow_step(scheduler):
+        time.sleep(0.005)
+        return step(scheduler)
+
+    monkeypatch.setattr(Scheduler, "step", slow_step)
+
+
+def read_a_little_then_leave(url: str, chunks: int = 3) -> None:
+    """Open a long stream, read a few events, and disconnect."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": LONG, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(chunks):
+            next(lines)
+
+
+def test_a_client_that_disconnects_has_its_request_cancelled(url, app, slow_rounds):
+    engine = app.state.engine
+    cancelled = metric(url, "verispec_requests_cancelled_total")
+    generated = metric(url, "verispec_generated_tokens_total")
+    read_a_little_then_leave(url)
+    assert wait_until(lambda: engine.outstanding == 0)
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
+        httpx.post(f"{url}/v1/completions", timeout=0.3, json={
+            "model": MODEL, "prompt": "abc", "max_tokens": LONG, "ignore_eos": True})
+    assert wait_until(lambda: engine.outstanding == 0)
+    assert metric(url, "verispec_requests_cancelled_total") == cancelled + 2
+    assert metric(url, "verispec_generated_tokens_total") == generated  # neither finished
+
+
+def test_load_64_requests_from_16_clients(url, decoder, capsys):
+    max_tokens = 32
+    expected = {p: alone(decoder, p, max_tokens) for p in PROMPTS}
+    leaver = threading.Thread(target=read_a_little_then_leave, args=(url,))
+    leaver.start()  # one client leaves mid-stream while the others run
+    report = run_load(f"{url}/v1", requests=64, concurrency=16, prompts=PROMPTS,
+                      max_tokens=max_tokens, temperature=0.0, model=MODEL)
+    leaver.join()
+    summary = report.summary()
+    with capsys.disabled():
+        print(f"\nload test on the tiny model: {json.dumps(summary)}")
+    assert summary["ok"] == 64 and summary["errors"] == {}
+    for result in report.results:
+        assert result.text == expected[PROMPTS[result.index % len(PROMPTS)]], result.index
+
+
+def test_load_test_percentiles_are_nearest_rank():
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert [percentile(values, q) for q in (1, 50, 90, 99, 100)] == [1.0, 2.0, 4.0, 4.0, 4.0]
+
+
+def test_a_full_queue_answers_429_at_once(decoder, slow_rounds):
+    app = create_app(decoder, MODEL, max_batch=1, max_queue=1)
+    with running(app) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": LONG, "stream": True,
+                "ignore_eos": True}
+        with httpx.Client() as http, contextlib.ExitStack() as streams:
+            for _ in range(2):  # one running, one waiting: the capacity
+                response = streams.enter_context(http.stream("POST", f"{base}/v1/completions",
+                                                             json=body))
+                assert response.status_code == 200
+            started = time.monotonic()
+            with pytest.raises(openai.RateLimitError) as err:
+                client.completions.create(model=MODEL, prompt="one more", max_tokens=2)
+            assert time.monotonic() - started < 2
+            assert err.value.body["code"] == "queue_full"
+        # both streams were closed: their slots are free again
+        assert wait_until(lambda: app.state.engine.outstanding == 0)
+        assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_finishes_the_request_in_flight_then_exits_0(model_folders):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "verispec.cli", "serve", "--target",
+         str(model_folders / "target"), "--draft", "ngram", "--k", "3", "--port", str(port)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        def healthy() -> bool:
+            assert process.poll() is None, process.stderr.read()
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(f"{base}/health").status_code == 200
+            return False
+
+        assert wait_until(healthy, timeout=60)
+        body = {"model": "target", "prompt": "abc", "max_tokens": 400, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: not httpx_connects(base), timeout=5)  # stopped accepting
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["usage"]["completion_tokens"] == 400
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def httpx_connects(base: str) -> bool:
+    try:
+        httpx.get(f"{base}/health", timeout=1)
+    except httpx.TransportError:
+        return False
+    return True

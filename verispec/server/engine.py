@@ -1,0 +1,192 @@
+"""The engine thread: the one owner of the decoder and its continuous-batching Scheduler.
+
+The Scheduler is synchronous and not thread-safe, so a single thread runs it:
+
+    loop:  1. take commands (add, cancel, stop) from a thread-safe queue; block when idle
+           2. one scheduler round over every running request
+           3. hand each request's events to its asyncio queue (loop.call_soon_threadsafe)
+
+HTTP handlers only `submit` (from the event loop) and `cancel`; prompts are tokenized on the
+engine thread too, so the tokenizer has one user. A request counts against the capacity
+(max_batch running + max_queue waiting) from `submit` until it leaves the scheduler; beyond it
+`submit` raises QueueFull at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from verispec.params import SamplingParams
+from verispec.scheduler import Event, Scheduler
+
+log = logging.getLogger("verispec")
+
+Encode = Callable[[object], torch.Tensor]  # decoder -> prompt ids [L]; ValueError on bad input
+
+
+class QueueFull(Exception):
+    pass
+
+
+class GenerationFailed(RuntimeError):
+    """The scheduler failed during a round; every request of that batch gets this."""
+
+
+class RequestHandle:
+    """One request as its HTTP handler sees it: the prompt's size once admitted, then events."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue[Event | int | BaseException] = asyncio.Queue()
+        self.prompt_tokens = 0
+        self.finished = False
+        self.request_id: int | None = None  # the scheduler's id; the engine thread's business
+
+    async def next(self) -> Event | int:
+        """The next item from the engine: the prompt's size once admitted, then events (the
+        last one carries the output). Safe to cancel: an item is never lost."""
+        item = await self.inbox.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if isinstance(item, Event):
+            self.finished = item.output is not None
+        return item
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    handle: RequestHandle
+    encode: Encode
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    handle: RequestHandle
+
+
+class _Stop:
+    pass
+
+
+class Engine:
+    """The scheduler on its own thread; `submit` and `cancel` are called from the event loop."""
+
+    def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.decoder = decoder
+        self.max_batch = max_batch
+        self.capacity = max_batch + max_queue
+        self._scheduler = Scheduler(decoder, max_batch)
+        self._commands: queue.Queue[_Add | _Cancel | _Stop] = queue.Queue()
+        self._handles: dict[int, RequestHandle] = {}  # scheduler id -> handle (engine thread)
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet gone: waiting, running, or about to be added."""
+        return self._outstanding
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish every request in flight, then end the thread."""
+        self._commands.put(_Stop())
+        self._thread.join()
+
+    async def submit(self, encode: Encode, params: SamplingParams) -> RequestHandle:
+        """Queue a request; returns once the engine took it. Raises QueueFull at once when the
+        engine is at capacity, ValueError for a prompt the decoder refuses."""
+        with self._lock:
+            if self._outstanding >= self.capacity:
+                raise QueueFull(f"the server is at capacity ({self.max_batch} running, "
+                                f"{self.capacity - self.max_batch} waiting); retry later")
+            self._outstanding += 1
+        handle = RequestHandle()
+        self._commands.put(_Add(handle, encode, params))
+        handle.prompt_tokens = await handle.next()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Drop a request that has not finished (its client went away); frees its slot."""
+        if not handle.finished:
+            self._commands.put(_Cancel(handle))
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stopping = False
+        while not (stopping and not self._scheduler.has_work):
+            # 1. Commands: wait for one when idle, else take those already there.
+            commands = [self._commands.get()] if not self._scheduler.has_work else []
+            while not self._commands.empty():
+                commands.append(self._commands.get_nowait())
+            for command in commands:
+                if isinstance(command, _Add):
+                    self._add(command)
+                elif isinstance(command, _Cancel):
+                    self._cancel(command.handle)
+                else:
+                    stopping = True
+            # 2.-3. One round; events go to their requests.
+            if self._scheduler.has_work:
+                self._step()
+
+    def _add(self, command: _Add) -> None:
+        try:
+            ids = command.encode(self.decoder)
+            request_id = self._scheduler.add(ids.tolist(), command.params, chat=False)
+        except Exception as err:  # a refused prompt goes back to its handler as the error
+            self._leave()
+            _post(command.handle, err)
+            return
+        command.handle.request_id = request_id
+        self._handles[request_id] = command.handle
+        _post(command.handle, len(ids))
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        if handle.request_id in self._handles and self._scheduler.cancel(handle.request_id):
+            del self._handles[handle.request_id]
+            self._leave()
+
+    def _step(self) -> None:
+        try:
+            events = self._scheduler.step()
+        except Exception as err:  # fail the batch's requests, keep serving
+            log.exception("scheduler step failed; failing %d requests", len(self._handles))
+            for handle in self._handles.values():
+                self._leave()
+                _post(handle, GenerationFailed(f"generation failed: {err}"))
+            self._handles.clear()
+            self._scheduler = Scheduler(self.decoder, self.max_batch)
+            return
+        for event in events:
+            handle = self._handles[event.request_id]
+            if event.output is not None:
+                del self._handles[event.request_id]
+                self._leave()
+            _post(handle, event)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+
+def _post(handle: RequestHandle, item: Event | int | BaseException) -> None:
+    """Hand an item to the handler's event loop (gone if the server already shut down)."""
+    try:
+        handle.loop.call_soon_threadsafe(handle.inbox.put_nowait, item)
+    except RuntimeError:
+        log.warning("dropped an event: the server's event loop is closed")

@@ -1,0 +1,99 @@
+"""Prometheus metrics of one server, in its own registry (several apps may live in a process).
+
+Per-position acceptance is the ratio of two counters: draft position i (0-based) was checked
+`verispec_draft_position_checked_total{position="i"}` times and accepted
+`verispec_draft_position_accepted_total{position="i"}` times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                   "/metrics"})
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class Metrics:
+    def __init__(self, in_flight: Callable[[], int]) -> None:
+        """in_flight: how many requests the engine holds (waiting or running), read on scrape."""
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("verispec_requests", "HTTP requests by path and status",
+                                ["path", "status"], registry=registry)
+        self.cancelled = Counter("verispec_requests_cancelled",
+                                 "requests dropped because their client disconnected",
+                                 registry=registry)
+        self.prompt_tokens = Counter("verispec_prompt_tokens", "prompt tokens of finished "
+                                     "requests", registry=registry)
+        self.generated_tokens = Counter("verispec_generated_tokens", "tokens generated",
+                                        registry=registry)
+        self.target_forwards = Counter("verispec_target_forwards",
+                                       "target forward passes (rows of batched passes)",
+                                       registry=registry)
+        self.drafted = Counter("verispec_draft_tokens", "draft tokens proposed",
+                               registry=registry)
+        self.checked = Counter("verispec_draft_tokens_checked",
+                               "draft tokens compared with the target", registry=registry)
+        self.accepted = Counter("verispec_draft_tokens_accepted",
+                                "draft tokens that passed verification", registry=registry)
+        self.position_checked = Counter("verispec_draft_position_checked",
+                                        "draft tokens checked, by draft position",
+                                        ["position"], registry=registry)
+        self.position_accepted = Counter("verispec_draft_position_accepted",
+                                         "draft tokens accepted, by draft position",
+                                         ["position"], registry=registry)
+        self.ttft = Histogram("verispec_time_to_first_token_seconds",
+                              "request arrival to its first generated tokens",
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.latency = Histogram("verispec_request_latency_seconds",
+                                 "request arrival to its last token", buckets=LATENCY_BUCKETS,
+                                 registry=registry)
+        Gauge("verispec_requests_in_flight", "requests waiting or running in the engine",
+              registry=registry).set_function(in_flight)
+
+    def finished(self, output, prompt_tokens: int, latency_s: float) -> None:
+        """Count a finished request; output: its verispec GenerationOutput."""
+        stats = output.stats
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated_tokens.inc(stats.new_tokens)
+        self.target_forwards.inc(stats.target_forwards)
+        self.drafted.inc(stats.drafted)
+        self.checked.inc(stats.checked)
+        self.accepted.inc(stats.accepted)
+        for position, (checked, accepted) in enumerate(
+                zip(stats.per_position_checked, stats.per_position_accepted, strict=True)):
+            self.position_checked.labels(str(position)).inc(checked)
+            self.position_accepted.labels(str(position)).inc(accepted)
+        self.latency.observe(latency_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class CountRequests:
+    """ASGI middleware: count every HTTP response by path and status code."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # unless a response starts
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            path = scope["path"] if scope["path"] in PATHS else "other"
+            self.metrics.requests.labels(path, str(status)).inc()
