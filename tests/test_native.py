@@ -41,10 +41,11 @@ def test_rollback_then_forward_equals_fresh_forward():
     model = tiny_llama(64, seed=1, dtype=torch.float32)
     runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
     fresh = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
-    fresh.logits(IDS[:72], 1)
-    expected = fresh.logits(IDS, 8)  # the same pass sizes, never rolled back
-    runner.logits(IDS[:60], 1)
-    runner.logits(torch.cat([IDS[:72], (IDS[72:77] + 1) % 64]), 6)  # a rejected draft
+    for cached in (fresh, runner):
+        cached.logits(IDS[:60], 1)
+        cached.logits(IDS[:72], 1)
+    expected = fresh.logits(IDS, 8)  # never rolled back
+    runner.logits(torch.cat([IDS[:72], (IDS[72:77] + 1) % 64]), 5)  # a rejected draft
     assert torch.equal(runner.logits(IDS, 8), expected)
 
 
@@ -125,3 +126,35 @@ def test_draft_model_on_the_native_runtime_keeps_greedy_exact(tokenizer, int8):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in ["abcabc", "the cat sat on the mat"]:
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+
+
+def test_a_prompt_pass_with_draft_tokens_caches_what_the_prompt_alone_caches():
+    """A speculative first round feeds prompt + draft; plain decoding feeds the prompt alone.
+    The prompt's keys/values and last logits must be the same bits either way (found on a
+    Spec-Bench RAG prompt: a 869-position pass rounded differently from an 868-position one)."""
+    model = tiny_llama(64, seed=7, dtype=torch.float32)
+    prompt, draft = IDS[:50], IDS[50:54]
+    plain = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    spec = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    first = plain.logits(prompt, 1)
+    together = spec.logits(torch.cat([prompt, draft]), 5)
+    assert torch.equal(together[0], first[0])
+    for length in range(51, 55):  # the draft positions, one by one as plain decoding does them
+        assert torch.equal(plain.logits(IDS[:length], 1)[0], together[length - 50])
+    assert torch.equal(plain.cache.keys[:, :, :54], spec.cache.keys[:, :, :54])
+
+
+def test_speculative_greedy_equals_plain_greedy_with_long_prompts_in_bf16(tokenizer):
+    from verispec.drafters import NgramDrafter
+
+    model = tiny_llama(len(tokenizer), seed=8, dtype=torch.float32)
+    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime=runner)
+    spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=4, runtime=runner)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for prompt in ["the cat sat on the mat and the cat sat on the hat " * 3,
+                   "def f(x): return x + 1\ndef g(x): return f(x) * 2\n" * 2]:
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+    for prompts in (["a b c a b c a b c a b c a b c a b c", "x"], ["q" * 30, "w e" * 20]):
+        assert [o.token_ids for o in spec.generate(prompts, params)] == \
+            [plain.generate(p, params).token_ids for p in prompts]
