@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
-from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.native import NativeCachedModel, NativeLlama
 from verispec.native.llama import RowPass
 from verispec.runtime import make_runner
@@ -32,8 +32,9 @@ def text_pair(tokenizer):
 
 
 def decoder_for(kind: str, target, draft, tokenizer, k=3) -> SpeculativeDecoder:
-    drafter = {"ngram": NgramDrafter(), "none": None,
-               "draft": ModelDrafter(make_runner(draft, "native"), len(tokenizer))}[kind]
+    model_drafter = ModelDrafter(make_runner(draft, "native"), len(tokenizer))
+    drafter = {"ngram": NgramDrafter(), "none": None, "draft": model_drafter,
+               "hybrid": HybridDrafter(model_drafter, min_match=2)}[kind]
     return SpeculativeDecoder(target, tokenizer, drafter, k=k, runtime="native")
 
 
@@ -51,7 +52,7 @@ def test_a_rows_logits_do_not_depend_on_the_batch():
     assert [t.shape[0] for t in together] == [1, 4, 2]
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram", "none"])
+@pytest.mark.parametrize("kind", ["draft", "ngram", "hybrid", "none"])
 @pytest.mark.parametrize("k", [3, "auto"])
 def test_greedy_rows_equal_their_solo_outputs(kind, k, text_pair, tokenizer):
     decoder = decoder_for(kind, *text_pair, tokenizer, k=k)

@@ -38,6 +38,14 @@ def test_runtime_flags(capsys, model_folders):
     assert "native runtime" in capsys.readouterr().err
 
 
+def test_hybrid_draft_equals_plain(capsys, model_folders):
+    common = ["abcabc abcabc", "--target", str(model_folders / "target"), "--max-new-tokens",
+              "16", "--ignore-eos", "--k", "3"]
+    hybrid = run_json(capsys, *common, "--draft", f"hybrid:{model_folders / 'draft'}")
+    assert hybrid["token_ids"] == run_json(capsys, *common, "--draft", "none")["token_ids"]
+    assert hybrid["stats"]["drafted"] > 0
+
+
 def test_draft_model_and_sampling_flags(capsys, model_folders):
     out = run_json(capsys, "hello", "--target", str(model_folders / "target"), "--draft",
                    str(model_folders / "draft"), "--k", "3", "--temperature", "0.8",

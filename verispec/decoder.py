@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verispec import loading
-from verispec.drafters import Drafter, ModelDrafter, NgramDrafter
+from verispec.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.engine import speculate
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
@@ -271,6 +271,14 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
         draft = loading.default_draft(target_spec) or "ngram"
     if draft == "ngram":
         return NgramDrafter()
+    if isinstance(draft, str) and draft.startswith("hybrid"):
+        # "hybrid" (the shipped draft) or "hybrid:PATH": lookup where the text repeats itself
+        model_draft = draft.partition(":")[2] or loading.default_draft(target_spec)
+        if model_draft is None:
+            raise IncompatibleDraftError("no draft is shipped for this target: use "
+                                         "hybrid:PATH with a draft model folder")
+        drafter = make_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8)
+        return HybridDrafter(drafter)
     from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle
 
     if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters import ModelDrafter
+from verispec.drafters import HybridDrafter, ModelDrafter
 from verispec.drafters.base import Draft, Drafter, empty_draft
 from verispec.drafters.model import propose_together
 from verispec.engine import Sequence
@@ -174,21 +174,30 @@ class Scheduler:
         return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max)
 
     def _propose(self, running: list[_Request], ks: list[int]) -> list[Draft]:
+        """Every row's draft: lookups row by row, draft models in lockstep passes."""
         drafts: list[Draft] = [empty_draft() for _ in running]
-        model_rows = [i for i, r in enumerate(running)
-                      if isinstance(r.drafter, ModelDrafter) and ks[i] > 0]
+        model_rows: list[tuple[int, ModelDrafter]] = []
+        for i, request in enumerate(running):
+            drafter, history = request.drafter, request.sequence.history
+            if drafter is None or ks[i] == 0:
+                continue
+            if isinstance(drafter, HybridDrafter):
+                drafts[i] = drafter.lookup.propose(history, ks[i], request.params, None)
+                if not len(drafts[i]):
+                    model_rows.append((i, drafter.model))
+            elif isinstance(drafter, ModelDrafter):
+                model_rows.append((i, drafter))
+            else:
+                drafts[i] = drafter.propose(history, ks[i], request.params,
+                                            request.sequence.generator)
         if model_rows:
             proposed = propose_together(
-                [running[i].drafter for i in model_rows],
-                [running[i].sequence.history for i in model_rows], [ks[i] for i in model_rows],
-                [running[i].params for i in model_rows],
-                [running[i].sequence.generator for i in model_rows])
-            for i, draft in zip(model_rows, proposed, strict=True):
+                [drafter for _, drafter in model_rows],
+                [running[i].sequence.history for i, _ in model_rows],
+                [ks[i] for i, _ in model_rows], [running[i].params for i, _ in model_rows],
+                [running[i].sequence.generator for i, _ in model_rows])
+            for (i, _), draft in zip(model_rows, proposed, strict=True):
                 drafts[i] = draft
-        for i, request in enumerate(running):
-            if request.drafter is not None and ks[i] > 0 and i not in model_rows:
-                drafts[i] = request.drafter.propose(request.sequence.history, ks[i],
-                                                    request.params, request.sequence.generator)
         return drafts
 
     def _advance(self, request: _Request, new_ids: list[int]) -> Event:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from verispec.policy import parse_k
 
-VERISPEC_METHODS = ("baseline", "draft", "ngram")
+VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid")
 HF_METHODS = ("hf-baseline", "hf-assisted", "hf-ngram")
 ALL_METHODS = VERISPEC_METHODS + HF_METHODS
 DEFAULT_METHODS = ("baseline", "ngram", "draft", "hf-baseline", "hf-ngram", "hf-assisted")

@@ -20,7 +20,7 @@ from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench.report import summarise, write_outputs
 from verispec.decoder import SpeculativeDecoder, check_vocab, vocab_size
 from verispec.distill.model import is_distilled_draft, load_draft
-from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.params import SamplingParams
 from verispec.runtime import CachedModel, make_runner
 
@@ -119,17 +119,19 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                   head_token_ids, eos_ids: frozenset[int]):
     methods, notes = [], []
     for name in config.methods:
-        if name in ("draft", "hf-assisted") and runners.draft is None:
+        if name in ("draft", "hybrid", "hf-assisted") and runners.draft is None:
             notes.append(f"{name} skipped: no draft model given (--draft PATH), and none is "
                          "shipped for this target")
             continue
         if name == "baseline":
             methods.append(VerispecMethod(name, SpeculativeDecoder(
                 model, tokenizer, None, runtime=runners.target)))
-        elif name in ("ngram", "draft"):
+        elif name in ("ngram", "draft", "hybrid"):
             for k in config.ks:
                 drafter = (NgramDrafter() if name == "ngram"
                            else ModelDrafter(runners.draft, vocab_size(model), head_token_ids))
+                if name == "hybrid":
+                    drafter = HybridDrafter(drafter)
                 label = name if len(config.ks) == 1 else f"{name}[k={k}]"
                 methods.append(VerispecMethod(label, SpeculativeDecoder(
                     model, tokenizer, drafter, k=k, runtime=runners.target)))

@@ -6,7 +6,8 @@ probabilities it sampled from (a draft model) or none (deterministic, as n-gram 
 """
 
 from verispec.drafters.base import Draft, Drafter
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["Draft", "Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter"]

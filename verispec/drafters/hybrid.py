@@ -1,0 +1,46 @@
+"""Prompt lookup where the context repeats itself, a draft model everywhere else."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Draft
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+from verispec.params import SamplingParams
+
+
+class HybridDrafter:
+    """Propose what followed the last occurrence of the current n-gram when an n-gram of at
+    least `min_match` tokens recurs (copying from the prompt: summaries, extraction, code
+    edits), and the draft model's tokens otherwise.
+
+    Each proposal keeps its own kind (Draft.source: the n-gram length, or 0 for the model), so
+    the adaptive K policy learns separate acceptance rates for them. A lookup draft is
+    deterministic (no probabilities), a model draft carries its q: verification is exact for
+    either, round by round.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, model: ModelDrafter, min_match: int = 3, max_ngram: int = 5) -> None:
+        self.model = model
+        self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_match)
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def fork(self) -> HybridDrafter:
+        return HybridDrafter(self.model.fork(), self.lookup.min_ngram, self.lookup.max_ngram)
+
+    def propose(
+        self,
+        history: torch.Tensor,  # [L] long
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        draft = self.lookup.propose(history, k, params, generator)
+        if len(draft):
+            return draft
+        return self.model.propose(history, k, params, generator)
