@@ -33,3 +33,12 @@ def test_expected_speedup_and_optimal_k():
 def test_gamma_outside_unit_interval_is_refused(gamma):
     with pytest.raises(ValueError):
         expected_tokens(gamma, 3)
+
+
+def test_batch_optimal_k_needs_the_margin_to_speculate():
+    from verispec.theory import batch_optimal_k
+
+    costs = [1.0, 1.12, 1.23]
+    assert batch_optimal_k([0.23] * 4, 0.091, costs) == 1  # predicted +1.6%
+    assert batch_optimal_k([0.23] * 4, 0.091, costs, min_speedup=1.10) == 0
+    assert batch_optimal_k([0.9] * 4, 0.0, costs, min_speedup=1.10) == 2

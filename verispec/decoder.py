@@ -89,7 +89,7 @@ class SpeculativeDecoder:
     def costs(self) -> CostModel:
         """The measured cost model (draft step and verification costs), measured once."""
         if self._costs is None:
-            self._costs = measure_costs(self.target, self.drafter, k_max=AUTO_K_MAX, repeats=3)
+            self._costs = measure_costs(self.target, self.drafter, k_max=AUTO_K_MAX, repeats=5)
             log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s, target step %.1f ms",
                      self._costs.draft_step, AUTO_K_MAX + 1,
                      " ".join(f"{v:.2f}" for v in self._costs.verify),
@@ -137,7 +137,7 @@ class SpeculativeDecoder:
         int8: bool = False,
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
-        draft: "default" (the best drafter shipped for the target: n-gram lookup for now),
+        draft: "default" (a draft shipped for the target, else n-gram lookup), "hybrid:PATH",
         "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None (plain
         decoding). k: "auto" (default: chosen each round from measured costs and the running
         acceptance rate), a fixed number of draft tokens per round, or "heuristic"
@@ -262,8 +262,9 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
                  device: str = "cpu", runtime: str = "auto", int8: bool = False,
                  target_spec=None) -> Drafter | None:
     """Build the drafter that `draft` names: None / "none", "ngram", a model path, or "default":
-    the draft shipped for the target (`target_spec`, as given to `loading.load`; the distilled
-    SmolLM2 draft for the embedded model), n-gram lookup for any other target. A draft model
+    the draft shipped for the target (`target_spec`, as given to `loading.load`), if any, else
+    n-gram lookup; "hybrid" / "hybrid:PATH": n-gram lookup where the text repeats itself, the
+    shipped draft (or the one at PATH) elsewhere. A draft model
     runs on the same runtime, dtype and quantization as the target."""
     if draft is None or draft == "none":
         return None
@@ -271,7 +272,7 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
         draft = loading.default_draft(target_spec) or "ngram"
     if draft == "ngram":
         return NgramDrafter()
-    if isinstance(draft, str) and draft.startswith("hybrid"):
+    if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):
         # "hybrid" (the shipped draft) or "hybrid:PATH": lookup where the text repeats itself
         model_draft = draft.partition(":")[2] or loading.default_draft(target_spec)
         if model_draft is None:

@@ -10,7 +10,6 @@ decoding step) when nothing pays.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -155,42 +154,55 @@ def parse_k(k: int | str) -> int | str:
     raise ValueError(f"k must be an integer >= 0, 'auto' or 'heuristic', got {k!r}")
 
 
+def fastest(fns: list, repeats: int) -> list[float]:
+    """The fastest of `repeats` timings of each fn, timed in interleaved rounds (fn 1, 2, ...,
+    then again), so a burst of machine noise costs one sample of each, not every sample of one.
+    The minimum, not the median: noise only ever adds time."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def verify_curve(pass_s: list[float]) -> tuple[float, ...]:
+    """v(n) = pass_s[n-1] / pass_s[0], made non-decreasing from the right: a pass over more
+    positions cannot be cheaper, so a noisy sample above a later one is lowered to it (rather
+    than raising every later value to a spike)."""
+    unit = pass_s[0]
+    curve = [seconds / unit for seconds in pass_s]
+    for n in range(len(curve) - 2, -1, -1):
+        curve[n] = min(curve[n], curve[n + 1])
+    return tuple(max(1.0, v) for v in curve)
+
+
 def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: int = 5
                   ) -> CostModel:
     """Time target passes over 1..k_max+1 positions and one draft step after `context` tokens.
 
     Uses the real runtime objects: `target` is a CachedModel, `drafter` any Drafter (None
-    gives c = 0). Medians over `repeats`; the caches are warmed first.
+    gives c = 0). Fastest of `repeats` interleaved timings; the caches are warmed first.
     """
     generator = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, 1000)
     history = torch.randint(0, vocab, (context,), generator=generator)
-    extra = torch.randint(0, vocab, (k_max + 1 + repeats,), generator=generator)
+    extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
     target.logits(history, 1)  # prefill, and warm up
-
-    def timed(fn) -> float:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    pass_s = [timed(lambda n=n: target.logits(torch.cat([history, extra[:n]]), n))
+    passes = [lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
               for n in range(1, k_max + 2)]
-    unit = pass_s[0]
+    pass_s = fastest(passes, repeats)
     draft_s = 0.0
     if drafter is not None:
         greedy = SamplingParams()
         drafter.propose(history, 1, greedy, None)
-        steps = iter(range(1, repeats + 1))
-        draft_s = timed(lambda: drafter.propose(
-            torch.cat([history, extra[: next(steps)]]), 1, greedy, None))
-    # v(n) can only grow with n: a noisy sample below its predecessor is taken as equal.
-    verify = [1.0]
-    for seconds in pass_s[1:]:
-        verify.append(max(verify[-1], seconds / unit))
-    return CostModel(draft_step=draft_s / unit, verify=tuple(verify), target_step_s=unit)
+        # One draft token after the history: the drafter's cache holds all but the last token.
+        step = [lambda: drafter.propose(torch.cat([history, extra[:1]]), 1, greedy, None),
+                lambda: drafter.propose(history, 1, greedy, None)]
+        draft_s = fastest(step, repeats)[0]
+    return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
+                     target_step_s=pass_s[0])
 
 
 def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
@@ -208,19 +220,10 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
     histories = [torch.randint(0, vocab, (context,), generator=generator) for _ in runners]
     extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
     batched_logits(runners, histories, [1] * batch)  # prefill, and warm up
-
-    def timed(fn) -> float:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    pass_s = [timed(lambda n=n: batched_logits(
-        runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch))
+    passes = [lambda n=n: batched_logits(
+        runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
         for n in range(1, k_max + 2)]
-    unit = pass_s[0]
+    pass_s = fastest(passes, repeats)
     draft_s = 0.0
     if drafter is not None:
         drafters = [drafter.fork() for _ in runners]
@@ -234,8 +237,6 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
                     d.propose(h, 1, greedy[0], None)
 
         draft_step()
-        draft_s = timed(draft_step)
-    verify = [1.0]
-    for seconds in pass_s[1:]:
-        verify.append(max(verify[-1], seconds / unit))
-    return CostModel(draft_step=draft_s / unit, verify=tuple(verify), target_step_s=unit)
+        draft_s = fastest([draft_step], repeats)[0]
+    return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
+                     target_step_s=pass_s[0])
