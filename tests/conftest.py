@@ -99,3 +99,16 @@ def always_accept(draft_tokens, draft_probs, target_probs, generator):
     batch, k = draft_tokens.shape
     bonus = torch.multinomial(target_probs[:, -1], 1, generator=generator)
     return torch.cat([draft_tokens, bonus], 1), torch.full((batch,), k)
+
+
+def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
+    """Chi-square p-value of observed counts [V, V] against an exact joint [V, V], cells with
+    an expected count below 5 merged into one."""
+    from scipy.stats import chisquare
+
+    observed, expected = counts.flatten(), joint.flatten() / joint.sum() * counts.sum()
+    small = expected < 5
+    observed = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = expected > 0
+    return chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import always_accept, perturbed_copy, tiny_gpt2, tiny_llama
-from scipy.stats import chisquare
+from conftest import always_accept, chi2_pvalue, perturbed_copy, tiny_gpt2, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
@@ -184,15 +183,6 @@ def batched_counts(target, draft) -> torch.Tensor:
             first, second = output.token_ids
             counts[first, second] += 1
     return counts
-
-
-def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
-    observed, expected = counts.flatten(), joint.flatten() / joint.sum() * counts.sum()
-    small = expected < 5
-    observed = torch.cat([observed[~small], observed[small].sum().reshape(1)])
-    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = expected > 0
-    return chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue
 
 
 def test_a_sampled_row_in_a_mixed_batch_has_the_targets_law(small_pair):

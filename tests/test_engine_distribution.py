@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import always_accept, perturbed_copy, tiny_llama
-from scipy.stats import chisquare
+from conftest import always_accept, chi2_pvalue, perturbed_copy, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
@@ -51,15 +50,6 @@ def sampled_joint(decoder: SpeculativeDecoder, params: SamplingParams) -> torch.
         first, second = decoder.generate(PROMPT, request).token_ids
         counts[first, second] += 1
     return counts
-
-
-def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
-    observed, expected = counts.flatten(), joint.flatten() / joint.sum() * counts.sum()
-    small = expected < 5
-    observed = torch.cat([observed[~small], observed[small].sum().reshape(1)])
-    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = expected > 0
-    return chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue
 
 
 SETTINGS = {
