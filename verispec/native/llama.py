@@ -15,6 +15,7 @@ pass sizes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -254,7 +255,7 @@ class NativeLlama:
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         # 4. The head, only for the positions whose logits are wanted.
-        ends = torch.tensor(lengths).cumsum(0).tolist()
+        ends = list(itertools.accumulate(lengths))
         wanted = torch.cat([torch.arange(end - row.num_logits, end)
                             for row, end in zip(rows, ends, strict=True)])
         logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
