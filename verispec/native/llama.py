@@ -6,11 +6,15 @@ into one matrix each. Each sequence has its own KV cache, [layers, kv_heads, cap
 grown by doubling, and its length is the caller's business: rolling back is passing a smaller
 `start` next time. One forward pass serves many sequences (rows), each at its own position.
 
-Batch invariance: decode and verification passes (up to INVARIANT_MAX positions) compute
-attention query by query over exactly that query's keys, with the same kernel a one-token step
-uses; linear layers run as one GEMM, whose rows do not depend on the row count for bfloat16
-(oneDNN) on CPU. `tests/test_native.py` checks bitwise equality of a position's logits across
-pass sizes.
+Batch invariance: in decode and verification passes (up to INVARIANT_MAX positions) a query at
+position p attends over the keys 0..L(p)-1, L(p) = p + 1 rounded up to KEY_BLOCK, with the keys
+after p masked, whatever else the pass holds: one attention call for the queries that share an
+L, and a one-token step is the case of one query. Whether the attention kernel's rows are then
+independent of how many rows a call holds is probed when the model is built (true for bfloat16
+on oneDNN CPUs, not for float32); where the probe fails, queries attend one by one over exactly
+their own keys. Linear layers run as one GEMM, whose rows do not depend on the row count for
+bfloat16 (oneDNN) on CPU. `tests/test_native.py` checks bitwise equality of a position's logits
+across pass sizes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from transformers import PreTrainedModel
 from verispec.errors import VerispecError
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-INVARIANT_MAX = 16  # passes up to this many positions attend query by query
+INVARIANT_MAX = 16  # passes up to this many positions attend batch-invariantly
+KEY_BLOCK = 64  # such passes attend over keys padded to a multiple of this, the rest masked
 
 
 class UnsupportedModelError(VerispecError, ValueError):
@@ -130,9 +135,11 @@ class KVCache:
         self.keys = self.values = None
 
     def reserve(self, length: int) -> None:
+        """Room for `length` positions and the padding short passes attend over."""
         if length > self.shape.max_positions:
             raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
                              f"{self.shape.max_positions}")
+        length = padded_keys(length, self.shape.max_positions)
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if length <= capacity:
             return
@@ -144,6 +151,22 @@ class KVCache:
             old = self.keys.shape[2]
             keys[:, :, :old], values[:, :, :old] = self.keys, self.values
         self.keys, self.values = keys, values
+
+
+@dataclass(frozen=True, slots=True)
+class QueryGroup:
+    """Queries first..last-1 of a short pass, which attend over the first `keys` cached
+    positions with `mask` [group * (last - first), keys] hiding each one's future."""
+
+    first: int
+    last: int
+    keys: int
+    mask: torch.Tensor
+
+
+def padded_keys(length: int, max_positions: int) -> int:
+    """The key length a query at position length-1 attends over in a short pass."""
+    return min(-(-length // KEY_BLOCK) * KEY_BLOCK, max_positions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +195,9 @@ class NativeLlama:
         # rotate(x) = x * cos + swap_halves(x) * sin.
         self.cos = torch.cat([angles.cos(), angles.cos()], -1).float().to(self.device)  # [P, d]
         self.sin = torch.cat([-angles.sin(), angles.sin()], -1).float().to(self.device)
+        group = shape.num_heads // shape.num_kv_heads
+        self.grouped_queries = _rows_are_independent(self.dtype, self.device, shape.head_dim,
+                                                     group)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.shape, self.dtype, self.device)
@@ -234,6 +260,7 @@ class NativeLlama:
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
         x = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]  # [N, H]
         total = x.shape[0]
+        plans = [self._plan(row.start, length) for row, length in zip(rows, lengths, strict=True)]
         for index, layer in enumerate(self.layers):
             # 1. Fused q/k/v for every position, rotary positions on q and k at once.
             qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [N, (nh + 2 nkv) d]
@@ -242,12 +269,12 @@ class NativeLlama:
             v = qkv[:, rotary_width:].view(total, shape.num_kv_heads, shape.head_dim)
             # 2. Row by row: K/V into the row's cache, attention over it.
             attended, offset = [], 0
-            for row, length in zip(rows, lengths, strict=True):
+            for row, length, plan in zip(rows, lengths, plans, strict=True):
                 span, end = slice(offset, offset + length), row.start + length
                 row.cache.keys[index, :, row.start:end] = k[span].transpose(0, 1)  # [nkv, T, d]
                 row.cache.values[index, :, row.start:end] = v[span].transpose(0, 1)
                 attended.append(self._attend(q[span].transpose(0, 1), row.cache, index,
-                                             row.start, end))  # [nh, T, d]
+                                             row.start, end, plan))  # [nh, T, d]
                 offset += length
             attended = attended[0] if len(attended) == 1 else torch.cat(attended, dim=1)
             x = x + layer.out(attended.transpose(0, 1).reshape(total, -1))
@@ -261,27 +288,50 @@ class NativeLlama:
         logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
         return list(logits.split([row.num_logits for row in rows]))
 
-    def _attend(self, q: torch.Tensor, cache: KVCache, index: int, start: int, end: int
-                ) -> torch.Tensor:
+    def _plan(self, start: int, length: int) -> list[QueryGroup] | None:
+        """How a short pass's queries attend (see the module docstring): the groups of queries
+        that share a padded key length, each with its mask; None for a prompt pass, or where
+        queries must go one by one."""
+        if length > INVARIANT_MAX or not self.grouped_queries:
+            return None
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        positions = torch.arange(start, start + length, device=self.device)  # [T]
+        keys = [padded_keys(p + 1, self.shape.max_positions) for p in range(start, start + length)]
+        plan, first = [], 0
+        for last in range(1, length + 1):
+            if last == length or keys[last] != keys[first]:
+                allowed = torch.arange(keys[first], device=self.device) <= positions[first:last,
+                                                                                      None]
+                mask = allowed.expand(group, -1, -1).reshape(-1, keys[first])  # [group Tg, L]
+                plan.append(QueryGroup(first, last, keys[first], mask))
+                first = last
+        return plan
+
+    def _attend(self, q: torch.Tensor, cache: KVCache, index: int, start: int, end: int,
+                plan: list[QueryGroup] | None) -> torch.Tensor:
         """q [nh, T, d] -> [nh, T, d], causal over the cache up to `end`."""
         keys, values = cache.keys[index], cache.values[index]  # [nkv, capacity, d]
         heads, length, dim = q.shape
-        group = heads // self.shape.num_kv_heads
-        # Passes up to INVARIANT_MAX positions go query by query over exactly each query's keys,
-        # with the kernel a one-token step uses. A query's heads that share a KV head ride as
-        # `group` rows of that head: no mask, no copies. 4-d inputs take the fused CPU kernel
-        # (3-d ones fall back to the unfused math path, ~3x slower).
+        kv_heads = self.shape.num_kv_heads
+        group = heads // kv_heads
+        # A query's heads that share a KV head ride as `group` rows of that head: no copies of
+        # keys. 4-d inputs take the fused CPU kernel (3-d ones fall back to the unfused math
+        # path, ~3x slower).
         keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, nkv, capacity, d]
-        if length == 1:
-            grouped = q.view(1, self.shape.num_kv_heads, group, dim)
-            return F.scaled_dot_product_attention(grouped, keys[:, :, :end], values[:, :, :end]
-                                                  ).view(heads, 1, dim)
-        if length <= INVARIANT_MAX:
-            grouped = q.view(1, self.shape.num_kv_heads, group, length, dim)
+        grouped = q.view(kv_heads, group, length, dim)
+        if plan is not None:  # padded, masked, the queries of one key length together
             return torch.cat([
-                F.scaled_dot_product_attention(grouped[:, :, :, t], keys[:, :, :start + t + 1],
-                                               values[:, :, :start + t + 1]).unsqueeze(3)
-                for t in range(length)], dim=3).view(heads, length, dim)
+                F.scaled_dot_product_attention(
+                    grouped[:, :, part.first:part.last].reshape(1, kv_heads, -1, dim),
+                    keys[:, :, :part.keys], values[:, :, :part.keys], attn_mask=part.mask
+                ).view(heads, part.last - part.first, dim)
+                for part in plan], dim=1)
+        if length <= INVARIANT_MAX:  # one by one, each over exactly its own keys
+            return torch.cat([
+                F.scaled_dot_product_attention(
+                    grouped[None, :, :, t], keys[:, :, :start + t + 1],
+                    values[:, :, :start + t + 1]).view(heads, 1, dim)
+                for t in range(length)], dim=1)
         keys, values = keys[0], values[0]
         mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(start)
         keys = keys[:, :end].repeat_interleave(group, dim=0)
@@ -298,3 +348,44 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x32 = x.float()
     swapped = torch.cat([x32[..., x.shape[-1] // 2:], x32[..., : x.shape[-1] // 2]], dim=-1)
     return torch.addcmul(x32 * cos.unsqueeze(1), swapped, sin.unsqueeze(1)).to(x.dtype)
+
+
+def _rows_are_independent(dtype: torch.dtype, device: torch.device, head_dim: int,
+                          group: int) -> bool:
+    """Probe: does the attention kernel give each query row the same bits whether the call holds
+    it alone or with up to INVARIANT_MAX others (padded keys, masked)? Random inputs, a few
+    positions on both sides of a KEY_BLOCK boundary; a few milliseconds. (float32 on CPU fails
+    it: 11 queries of a 3-head group, 33 rows, round differently from 16.)"""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, capacity, count = 2, 3 * KEY_BLOCK, INVARIANT_MAX
+
+    def random(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(dtype=dtype, device=device)
+
+    keys, values = random(1, kv_heads, capacity, head_dim), random(1, kv_heads, capacity, head_dim)
+    with torch.inference_mode():
+        for start in (0, KEY_BLOCK - INVARIANT_MAX, KEY_BLOCK + 5):
+            queries = random(kv_heads, group, count, head_dim)
+            length = padded_keys(start + count, capacity)
+            allowed = torch.arange(length, device=device) <= torch.arange(
+                start, start + count, device=device)[:, None]  # [T, L]
+            inputs = (queries, keys[:, :, :length], values[:, :, :length], allowed)
+            together = _probe_attend(*inputs, 0, count)
+            for first in range(count):  # each query alone, and every number of rows
+                if not (torch.equal(_probe_attend(*inputs, first, first + 1),
+                                    together[:, :, first:first + 1])
+                        and torch.equal(_probe_attend(*inputs, 0, first + 1),
+                                        together[:, :, :first + 1])):
+                    return False
+    return True
+
+
+def _probe_attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  allowed: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """Queries first..last-1 of queries [nkv, group, T, d] in one call -> [nkv, group, Tg, d]."""
+    kv_heads, group, _, head_dim = queries.shape
+    mask = allowed[first:last].expand(group, -1, -1).reshape(-1, allowed.shape[1])
+    out = F.scaled_dot_product_attention(
+        queries[:, :, first:last].reshape(1, kv_heads, -1, head_dim), keys, values,
+        attn_mask=mask)
+    return out.view(kv_heads, group, last - first, head_dim)
