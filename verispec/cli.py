@@ -222,7 +222,10 @@ def add_distill_command(commands) -> None:
     distill.add_argument("--max-new-tokens", type=int, help="response length cap")
     distill.add_argument("--temperature", type=float, help="response sampling temperature")
     distill.add_argument("--topk", type=int, help="target log-probabilities kept per position")
-    distill.add_argument("--layers", type=int, help="draft layers")
+    distill.add_argument("--kind", choices=("layers", "feature"),
+                         help="layers: a small LM on token embeddings (default); feature: an "
+                              "EAGLE-style head reading the target's hidden states")
+    distill.add_argument("--layers", type=int, help="draft layers (kind layers)")
     distill.add_argument("--head-vocab", type=int, help="tokens covered by the draft's LM head")
     distill.add_argument("--steps", type=int, help="training steps")
     distill.add_argument("--batch-size", type=int, help="sequences per generate call and step")

@@ -79,6 +79,8 @@ class SpeculativeDecoder:
             self.target = make_runner(target, runtime, dtype=dtype, int8=int8)
         self.tokenizer = tokenizer
         self.drafter = drafter
+        if hasattr(drafter, "follow"):  # a drafter that reads the target's features
+            drafter.follow(self.target)
         self.k = k if drafter is not None else 0
         self.chat = chat
         self.eos_ids = _eos_ids(target, tokenizer)
@@ -280,8 +282,14 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
                                          "hybrid:PATH with a draft model folder")
         drafter = make_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8)
         return HybridDrafter(drafter)
+    from verispec.distill.feature import is_feature_draft, load_feature_weights
     from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle
 
+    if is_feature_draft(draft):  # reads the target's features: built when it meets the runner
+        from verispec.drafters.feature import FeatureDrafter
+
+        weights, head_token_ids = load_feature_weights(draft, target, tokenizer)
+        return FeatureDrafter(weights, head_token_ids, target, vocab_size(target))
     if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
         draft_model, head_token_ids = load_draft(draft, target, tokenizer)
         runner = make_runner(draft_model, runtime, dtype=dtype, int8=int8)

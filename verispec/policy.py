@@ -227,6 +227,9 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
     draft_s = 0.0
     if drafter is not None:
         drafters = [drafter.fork() for _ in runners]
+        for row_drafter, runner in zip(drafters, runners, strict=True):
+            if hasattr(row_drafter, "follow"):  # it reads that row's target features
+                row_drafter.follow(runner)
         greedy = [SamplingParams()] * batch
 
         def draft_step() -> None:

@@ -52,6 +52,11 @@ class CachedModel:
         return CachedModel(self.model)
 
     @property
+    def cached_ids(self) -> torch.Tensor:
+        """[cached_length] long: the tokens whose keys and values the cache holds."""
+        return self._cached_ids
+
+    @property
     def cached_length(self) -> int:
         return int(self._cached_ids.numel())
 

@@ -146,6 +146,8 @@ class Scheduler:
         if decoder.drafter is not None:
             request.drafter = self._free_drafters.pop() if self._free_drafters else \
                 decoder.drafter.fork()
+            if hasattr(request.drafter, "follow"):  # it reads this row's target features
+                request.drafter.follow(request.runner)
             request.drafter.reset()
         request.stats = StatsRecorder(k=decoder.k)
         request.text = TextStream(decoder.tokenizer, request.params.stop)

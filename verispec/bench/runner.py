@@ -19,8 +19,10 @@ from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench.report import summarise, write_outputs
 from verispec.decoder import SpeculativeDecoder, check_vocab, vocab_size
+from verispec.distill.feature import is_feature_draft, load_feature_weights
 from verispec.distill.model import is_distilled_draft, load_draft
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from verispec.drafters.feature import FeatureDrafter
 from verispec.params import SamplingParams
 from verispec.runtime import CachedModel, make_runner
 
@@ -31,11 +33,15 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Measure, write results.json / report.md / plots into config.out, return the results."""
     # 1. Models, loaded once and shared by every method.
     model, tokenizer = loading.load(config.target, dtype=config.dtype)
-    draft_model, assistant_model, head_token_ids = None, None, None
+    draft_model, assistant_model, head_token_ids, feature_drafter = None, None, None, None
     draft = config.draft
     if draft == "default":
         draft = loading.default_draft(config.target)
-    if draft is not None and is_distilled_draft(draft):
+    if draft is not None and is_feature_draft(draft):
+        # reads the target's features as it runs: no separate runner, no transformers peer
+        weights, head_token_ids = load_feature_weights(draft, model, tokenizer)
+        feature_drafter = FeatureDrafter(weights, head_token_ids, model, vocab_size(model))
+    elif draft is not None and is_distilled_draft(draft):
         # verispec drafts with the subset head it was trained with; transformers needs
         # full-width logits, so its assistant is the same layers with the target's full head.
         draft_model, head_token_ids = load_draft(draft, model, tokenizer)
@@ -49,7 +55,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     draft_runner = None
     if draft_model is not None:
         draft_runner = make_runner(draft_model, config.runtime, config.dtype, config.int8)
-    runners = Runners(make_runner(model, config.runtime, config.dtype, config.int8), draft_runner)
+    runners = Runners(make_runner(model, config.runtime, config.dtype, config.int8), draft_runner,
+                      feature_drafter)
     encoder = SpeculativeDecoder(model, tokenizer, None, runtime=runners.target)
     methods, notes = build_methods(config, model, tokenizer, runners, assistant_model,
                                    head_token_ids, encoder.eos_ids)
@@ -113,13 +120,20 @@ def _run_batched(config: BenchConfig, methods, notes, prompt_ids, model, runners
 class Runners:
     target: CachedModel
     draft: CachedModel | None
+    feature_drafter: FeatureDrafter | None = None  # a draft that reads the target's features
 
 
 def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assistant_model,
                   head_token_ids, eos_ids: frozenset[int]):
     methods, notes = [], []
     for name in config.methods:
-        if name in ("draft", "hybrid", "hf-assisted") and runners.draft is None:
+        if name in ("hybrid", "hf-assisted") and runners.feature_drafter is not None:
+            notes.append(f"{name} skipped: the draft reads the target's features, which "
+                         f"{'hybrid lookup' if name == 'hybrid' else 'transformers'} does not "
+                         "support")
+            continue
+        if name in ("draft", "hybrid", "hf-assisted") and runners.draft is None and \
+                runners.feature_drafter is None:
             notes.append(f"{name} skipped: no draft model given (--draft PATH), and none is "
                          "shipped for this target")
             continue
@@ -128,8 +142,12 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                 model, tokenizer, None, runtime=runners.target)))
         elif name in ("ngram", "draft", "hybrid"):
             for k in config.ks:
-                drafter = (NgramDrafter() if name == "ngram"
-                           else ModelDrafter(runners.draft, vocab_size(model), head_token_ids))
+                if name == "ngram":
+                    drafter = NgramDrafter()
+                elif runners.feature_drafter is not None:
+                    drafter = runners.feature_drafter.fork()
+                else:
+                    drafter = ModelDrafter(runners.draft, vocab_size(model), head_token_ids)
                 if name == "hybrid":
                     drafter = HybridDrafter(drafter)
                 label = name if len(config.ks) == 1 else f"{name}[k={k}]"

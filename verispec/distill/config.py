@@ -32,6 +32,8 @@ class DistillConfig:
     topk: int = 16  # target log-probabilities kept per position
     chat: bool = True  # apply the chat template when the tokenizer has one
     # Draft and training.
+    kind: str = "layers"  # "layers": a small LM on token embeddings; "feature": an EAGLE-style
+    # head on the target's features (needs the native runtime at inference)
     layers: int = 2
     head_vocab: int = 8192  # the draft's LM head covers this many most frequent tokens
     train_head: bool = False  # False: head rows frozen to the target's (not stored)
@@ -61,6 +63,8 @@ class DistillConfig:
             raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.kind not in ("layers", "feature"):
+            raise ValueError(f"kind must be 'layers' or 'feature', got {self.kind!r}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda", "mps")):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
 

@@ -32,12 +32,23 @@ import hashlib
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from verispec import loading
 from verispec.distill.config import DistillConfig
 from verispec.distill.data import ShardPlan, Teacher, generate_texts, load_shard, write_shards
+from verispec.distill.feature import (
+    FeatureHead,
+    FeatureTrainSettings,
+    FrozenHead,
+    save_feature_draft,
+    target_features,
+    train_feature_head,
+)
 from verispec.distill.model import init_draft, save_draft
 from verispec.distill.prompts import (
     builtin_prompts,
@@ -53,6 +64,7 @@ from verispec.distill.train import (
     prepare,
     train,
 )
+from verispec.native.llama import NativeLlama
 
 log = logging.getLogger("verispec.distill")
 SELF_QUESTION_TOKENS = 48
@@ -103,6 +115,8 @@ def _run(config: DistillConfig) -> DistillResult:
         head = head_vocabulary(sequences, config.head_vocab, vocab_size, special)
     log.info("distill: head of %d tokens, %d training sequences (%d response tokens)",
              head.numel(), len(sequences), sum(s.response_length for s in sequences))
+    if config.kind == "feature":
+        return _run_feature(config, model, tokenizer, sequences, heldout, head)
     # 4. Train; every checkpoint rewrites the draft folder.
     draft = init_draft(model, config.layers, head)
     draft.lm_head.weight.requires_grad_(config.train_head)
@@ -120,6 +134,58 @@ def _run(config: DistillConfig) -> DistillResult:
     log.info("distill: draft in %s (step %d, held-out top-1 agreement %.3f)", folder,
              report.step, report.heldout_agreement)
     return DistillResult(folder, report)
+
+
+def _run_feature(config: DistillConfig, model, tokenizer, sequences, heldout, head
+                 ) -> DistillResult:
+    """Steps 4-5 for a feature draft: the target's features from the native runtime in the
+    dtype it decodes in, then the head trained on them."""
+    dtype = torch.bfloat16 if config.torch_device.type == "cpu" else torch.float32
+    native = NativeLlama.from_hf(model, dtype)
+    started = time.perf_counter()
+    examples = target_features(native, sequences, config.seq_len)
+    held = target_features(native, heldout, config.seq_len)
+    log.info("distill: target features for %d + %d sequences in %.0f s", len(examples),
+             len(held), time.perf_counter() - started)
+    shape = native.shape
+    feature_head = FeatureHead(shape)
+    feature_head.init_from(model)
+    frozen = FrozenHead(model, head)
+    embed = model.get_input_embeddings().weight.detach().float()
+    settings = FeatureTrainSettings(steps=config.steps, batch_size=config.batch_size,
+                                    lr=config.lr, seed=config.seed,
+                                    eval_every=config.checkpoint_every)
+    report = train_feature_head(feature_head, frozen, embed, examples, held, settings,
+                                config.out / "ckpt.pt", config.out / "train-feature.log")
+    folder = config.out / "draft"
+    card = feature_model_card(config, report, head.numel(), len(examples),
+                              sum(int(e.ids.numel()) for e in examples))
+    save_feature_draft(feature_head, head, folder, model, tokenizer, card)
+    log.info("distill: feature draft in %s (held-out %s)", folder, report)
+    return DistillResult(folder, TrainReport(step=settings.steps,
+                                             heldout_kl=report.get("kl", float("nan")),
+                                             heldout_agreement=report.get("agreement", 0.0)))
+
+
+def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequences: int,
+                       positions: int) -> str:
+    target = config.target or "the embedded SmolLM2-135M-Instruct"
+    figures = ", ".join(f"{name} {value:.3f}" for name, value in report.items())
+    return (
+        f"# verispec feature draft for {target}\n\n"
+        f"An EAGLE-style draft: one Llama layer reading the target's last hidden state and the "
+        f"next token's embedding, predicting the target's next hidden state; the target's "
+        f"final norm and {head_size} rows of its head (not stored) make the logits. Distilled "
+        f"by `verispec distill --kind feature` on {sequences} sequences ({positions} positions) "
+        f"the target wrote itself ({config.num_prompts} prompts, up to {config.max_new_tokens} "
+        f"new tokens, temperature {config.temperature}, {config.greedy_fraction:.0%} greedy); "
+        f"prompts from verispec's built-in list and the target's own, no benchmark questions.\n\n"
+        f"- trained {config.steps} steps, batch {config.batch_size} sequences, lr {config.lr}, "
+        f"seed {config.seed}\n"
+        f"- held-out (response positions): {figures}\n\n"
+        f"It needs the native runtime (it reads the target's hidden states):\n\n"
+        f"    verispec generate \"...\" --target TARGET --draft {config.out / 'draft'}\n"
+    )
 
 
 def _prepare_run_folder(config: DistillConfig) -> None:

@@ -48,17 +48,25 @@ class ModelDrafter:
         return ModelDrafter(self.runner.sibling(), self.target_vocab_size, self.head_token_ids)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.head_token_ids is not None:  # [..., Vh] -> [..., V], -inf outside the head
-            full = logits.new_full((*logits.shape[:-1], self.target_vocab_size), float("-inf"))
-            index = self.head_token_ids.to(logits.device).expand(*logits.shape[:-1], -1)
-            return full.scatter(-1, index, logits)
-        width = logits.shape[-1]
-        if width == self.target_vocab_size:
-            return logits
-        if width > self.target_vocab_size:
-            return logits[..., : self.target_vocab_size]
-        pad = logits.new_full((*logits.shape[:-1], self.target_vocab_size - width), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
+        return fit_vocab(logits, self.target_vocab_size, self.head_token_ids)
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int, head_token_ids: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """A draft's logits [..., W] on the target's vocabulary [..., vocab_size]: logit j belongs
+    to token head_token_ids[j] when given (-inf for every other token), else to token j (cut,
+    or padded with -inf)."""
+    if head_token_ids is not None:
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        index = head_token_ids.to(logits.device).expand(*logits.shape[:-1], -1)
+        return full.scatter(-1, index, logits)
+    width = logits.shape[-1]
+    if width == vocab_size:
+        return logits
+    if width > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - width), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
 
 
 def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor], ks: list[int],

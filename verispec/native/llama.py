@@ -133,6 +133,7 @@ class KVCache:
     def __init__(self, shape: LlamaShape, dtype: torch.dtype, device: torch.device) -> None:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.keys = self.values = None
+        self.features = None  # [capacity, H]: each position's last hidden state, before the norm
 
     def reserve(self, length: int) -> None:
         """Room for `length` positions and the padding short passes attend over."""
@@ -147,10 +148,13 @@ class KVCache:
         size = (self.shape.num_layers, self.shape.num_kv_heads, capacity, self.shape.head_dim)
         keys = torch.zeros(size, dtype=self.dtype, device=self.device)
         values = torch.zeros(size, dtype=self.dtype, device=self.device)
+        features = torch.zeros(capacity, self.shape.hidden_size, dtype=self.dtype,
+                               device=self.device)
         if self.keys is not None:
             old = self.keys.shape[2]
             keys[:, :, :old], values[:, :, :old] = self.keys, self.values
-        self.keys, self.values = keys, values
+            features[:old] = self.features
+        self.keys, self.values, self.features = keys, values, features
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,8 +248,11 @@ class NativeLlama:
         return self.forward_rows([RowPass(cache, ids, start, num_logits)])[0]
 
     @torch.inference_mode()
-    def forward_rows(self, rows: list[RowPass]) -> list[torch.Tensor]:
-        """Every row's new positions in one pass -> per row logits [num_logits, V] float32.
+    def forward_rows(self, rows: list[RowPass], inputs: torch.Tensor | None = None
+                     ) -> list[torch.Tensor]:
+        """Every row's new positions in one pass -> per row logits [num_logits, V] float32; each
+        position's last hidden state goes to its row's cache.features (a feature drafter reads
+        them). inputs [N, H]: vectors to use instead of the rows' token embeddings.
 
         Linear layers see all N = sum(T) positions as one matrix, whose rows do not depend on
         N; attention goes row by row over each row's own cache. So a row's logits are the same
@@ -258,7 +265,9 @@ class NativeLlama:
                                for row, length in zip(rows, lengths, strict=True)])
         cos, sin = self.cos[positions], self.sin[positions]  # [N, d]
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-        x = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]  # [N, H]
+        if inputs is None:
+            inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
+        x = inputs  # [N, H]
         total = x.shape[0]
         plans = [self._plan(row.start, length) for row, length in zip(rows, lengths, strict=True)]
         for index, layer in enumerate(self.layers):
@@ -283,6 +292,8 @@ class NativeLlama:
             x = x + layer.down(F.silu(gate) * up)
         # 4. The head, only for the positions whose logits are wanted.
         ends = list(itertools.accumulate(lengths))
+        for row, length, end in zip(rows, lengths, ends, strict=True):
+            row.cache.features[row.start:row.start + length] = x[end - length:end]
         wanted = torch.cat([torch.arange(end - row.num_logits, end)
                             for row, end in zip(rows, ends, strict=True)])
         logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]

@@ -1,0 +1,182 @@
+"""The feature (EAGLE-style) draft: `verispec distill --kind feature` end to end on a tiny target,
+then the drafter that reads the target's hidden states: lossless greedy and sampled decoding,
+alone and in batches, and a clear refusal where the target's features are not kept."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import EOS_ID, always_accept, byte_tokenizer, chi2_pvalue, tiny_llama
+
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec import engine as engine_module
+from verispec.decoder import make_drafter
+from verispec.distill import DistillConfig, distill
+from verispec.distill.feature import FeatureHead, is_feature_draft
+from verispec.drafters.feature import FeatureDrafter
+from verispec.errors import IncompatibleDraftError
+from verispec.native import NativeCachedModel, NativeLlama
+from verispec.native.llama import LlamaShape
+from verispec.sampling import warp
+
+VOCAB = EOS_ID + 1
+
+
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("feature") / "target"
+    tiny_llama(VOCAB, seed=0, layers=3, dtype=torch.float32).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(target_folder):
+    config = DistillConfig(out=target_folder.parent / "run", target=str(target_folder),
+                           kind="feature", num_prompts=24, self_prompts=4, eval_prompts=8,
+                           shard_prompts=8, max_new_tokens=24, batch_size=8, head_vocab=160,
+                           steps=200, lr=3e-3, checkpoint_every=100, device="cpu")
+    return config, distill(config)
+
+
+@pytest.fixture(scope="module")
+def target(target_folder):
+    from verispec import loading
+
+    return loading.load(target_folder)
+
+
+def test_training_lowers_the_kl_and_reports_agreement(run):
+    config, result = run
+    lines = (config.out / "train-feature.log").read_text().splitlines()
+    kls = [float(re.search(r"^step \d+ kl ([\d.]+)", line).group(1)) for line in lines]
+    assert len(kls) == 20  # one line every 10 steps
+    assert sum(kls[-3:]) < 0.8 * sum(kls[:3])
+    assert "held-out" in lines[-1] and 0 <= result.report.heldout_agreement <= 1
+
+
+def test_the_folder_is_small_and_loads_as_a_feature_drafter(run, target):
+    _, result = run
+    model, tokenizer = target
+    assert is_feature_draft(result.draft)
+    meta = json.loads((result.draft / "verispec_draft.json").read_text())
+    assert meta["kind"] == "feature" and meta["head_vocab"] == 160
+    weights = safetensors.torch.load_file(str(result.draft / "draft.safetensors"))
+    assert all(VOCAB not in w.shape for w in weights.values())  # no vocabulary-sized table
+    assert isinstance(make_drafter(str(result.draft), model, tokenizer), FeatureDrafter)
+    assert "native runtime" in (result.draft / "README.md").read_text()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_with_the_feature_draft_equals_plain_greedy(run, target, dtype):
+    _, result = run
+    model, tokenizer = target
+    drafter = make_drafter(str(result.draft), model, tokenizer)
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime="native", dtype=dtype)
+    spec = SpeculativeDecoder(model, tokenizer, drafter, k=4, runtime="native", dtype=dtype)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = ["What is photosynthesis?", "abcabcabc", "Write a poem about the sea."]
+    accepted = 0
+    for prompt in prompts:
+        got = spec.generate(prompt, params)
+        assert got.token_ids == plain.generate(prompt, params).token_ids
+        assert got.stats.drafted > 0
+        accepted += got.stats.accepted
+    assert accepted > 0
+    together = spec.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                       for n in (40, 13, 27)])
+    assert [o.token_ids for o in together] == \
+        [plain.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True)).token_ids
+         for p, n in zip(prompts, (40, 13, 27), strict=True)]
+
+
+def test_a_target_without_kept_features_is_refused(run, target):
+    _, result = run
+    model, tokenizer = target
+    drafter = make_drafter(str(result.draft), model, tokenizer)
+    with pytest.raises(IncompatibleDraftError, match="native runtime"):
+        SpeculativeDecoder(model, tokenizer, drafter, runtime="hf")
+
+
+def test_the_first_round_drafts_nothing_then_drafts_from_the_targets_features():
+    """With no target features there is nothing to read; after the target's pass the draft reads
+    (f_s, x_{s+1}) up to s = L-2, the same way whatever it read before."""
+    model = tiny_llama(VOCAB, seed=2, dtype=torch.float32)
+    drafter = feature_drafter(model, VOCAB)
+    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    drafter.follow(runner)
+    history = torch.tensor([5, 6, 7, 8, 9, 10])
+    greedy = SamplingParams()
+    assert len(drafter.propose(history, 3, greedy, None)) == 0  # no target features yet
+    runner.logits(history[:-1], 1)  # the target's pass that produced the last token
+    first = drafter.propose(history, 3, greedy, None)
+    assert len(first) == 3
+    fresh = feature_drafter(model, VOCAB)
+    fresh.follow(runner)
+    assert torch.equal(fresh.propose(history, 3, greedy, None).tokens, first.tokens)
+
+
+# -- the law of sampled output with a feature draft ----------------------------------------------
+
+V = 8
+PROMPT = [1, 2, 3, 1, 2]
+SAMPLES = 3000
+PARAMS = SamplingParams(temperature=1.0)
+
+
+def feature_drafter(model, vocab: int) -> FeatureDrafter:
+    """An untrained feature head (the target's last layer, fc passing the feature through)."""
+    head = FeatureHead(LlamaShape.from_config(model.config))
+    head.init_from(model)
+    return FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab)
+
+
+def native_joint_of_tokens_2_and_3(model) -> torch.Tensor:
+    """p(t2, t3) [V, V] = sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2), native bf16."""
+    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+
+    def law(ids: list[int]) -> torch.Tensor:
+        return warp(runner.logits(torch.tensor(ids), 1)[0], PARAMS).double()
+
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for t1, p1 in enumerate(law(PROMPT)):
+        second = law(PROMPT + [t1])
+        for t2 in range(V):
+            joint[t2] += p1 * second[t2] * law(PROMPT + [t1, t2])
+    return joint
+
+
+def counts_of_tokens_2_and_3(model) -> torch.Tensor:
+    """Round 1 is a plain step (no features yet); round 2 drafts t2 and draws t3 as the
+    correction or bonus token."""
+    decoder = SpeculativeDecoder(model, None, feature_drafter(model, V), k=3, runtime="native")
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    rows = 100
+    for batch in range(SAMPLES // rows):
+        params = [SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True,
+                                 seed=batch * rows + row) for row in range(rows)]
+        for output in decoder.generate([PROMPT] * rows, params):
+            counts[output.token_ids[1], output.token_ids[2]] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return tiny_llama(V, seed=3, init=0.5, dtype=torch.float32)
+
+
+def test_sampled_tokens_with_a_feature_draft_have_the_targets_law(small_target):
+    counts = counts_of_tokens_2_and_3(small_target)
+    assert chi2_pvalue(counts, native_joint_of_tokens_2_and_3(small_target)) > 1e-3
+
+
+def test_negative_control_always_accept_with_a_feature_draft_is_detected(small_target,
+                                                                         monkeypatch):
+    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    counts = counts_of_tokens_2_and_3(small_target)
+    assert chi2_pvalue(counts, native_joint_of_tokens_2_and_3(small_target)) < 1e-6

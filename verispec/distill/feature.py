@@ -1,0 +1,327 @@
+"""A feature draft (EAGLE-style): one Llama layer that reads the target's own last hidden states.
+
+At position s the draft sees the target's feature f_s (its last hidden state, before the final
+norm) and the embedding of the token x_{s+1} that followed, fused by one linear layer, and
+predicts f_{s+1}; the target's own final norm and head rows turn that into a distribution over
+x_{s+2}. Drafting further feeds the draft's predicted features back in. Knowing the target's
+features makes the task far easier than predicting tokens from tokens, so one layer suffices.
+
+Training (here) fits the predicted features to the target's on the distillation data: KL from
+the target's next-token distribution (recomputed from its features, over the head's tokens) plus
+a smooth-L1 pull on the features themselves. `verispec.drafters.feature` runs the result.
+
+A folder holds draft.safetensors (fc, the layer's weights, `head_token_ids`), config.json (the
+target's config with one layer), verispec_draft.json (kind "feature", the target's signature),
+the target's tokenizer files and a README model card.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+from transformers import LlamaConfig, PreTrainedModel
+
+from verispec.distill.data import Sequence
+from verispec.distill.model import FORMAT, META_FILE, VERSION, WEIGHTS_FILE, target_signature
+from verispec.errors import IncompatibleDraftError
+from verispec.native.llama import LlamaShape, NativeLlama
+
+log = logging.getLogger("verispec.distill")
+
+KIND = "feature"
+LAYER_KEYS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+
+
+class FeatureHead(nn.Module):
+    """fc(f_s, embed(x_{s+1})) -> one causal Llama layer -> predicted f_{s+1}, in float32 for
+    training; `verispec.drafters.feature` runs the same weights on the native runtime."""
+
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.shape = shape
+        hidden, heads, kv_heads, dim = (shape.hidden_size, shape.num_heads, shape.num_kv_heads,
+                                        shape.head_dim)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.attn_norm = nn.Parameter(torch.ones(hidden))
+        self.q = nn.Linear(hidden, heads * dim, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * dim, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * dim, bias=False)
+        self.o = nn.Linear(heads * dim, hidden, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(hidden))
+        self.gate = nn.Linear(hidden, shape.intermediate_size, bias=False)
+        self.up = nn.Linear(hidden, shape.intermediate_size, bias=False)
+        self.down = nn.Linear(shape.intermediate_size, hidden, bias=False)
+        half = dim // 2
+        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+        angles = torch.outer(torch.arange(shape.max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1).float(), persistent=False)
+        self.register_buffer("sin", torch.cat([-angles.sin(), angles.sin()], -1).float(),
+                             persistent=False)
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """features, embeddings [B, T, H] (position s: f_s and the embedding of x_{s+1}) ->
+        predicted features [B, T, H] (f_{s+1}), causal over T."""
+        batch, length, _ = features.shape
+        shape = self.shape
+        x = self.fc(torch.cat([features, embeddings], dim=-1))  # [B, T, H]
+        # 1. Attention with rotary positions, grouped-query.
+        h = F.rms_norm(x, (shape.hidden_size,), self.attn_norm, shape.rms_norm_eps)
+        q = self.q(h).view(batch, length, shape.num_heads, shape.head_dim)
+        k = self.k(h).view(batch, length, shape.num_kv_heads, shape.head_dim)
+        v = self.v(h).view(batch, length, shape.num_kv_heads, shape.head_dim)
+        cos, sin = self.cos[:length, None], self.sin[:length, None]  # [T, 1, d]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        group = shape.num_heads // shape.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(batch, length, -1))
+        # 2. SwiGLU MLP.
+        h = F.rms_norm(x, (shape.hidden_size,), self.mlp_norm, shape.rms_norm_eps)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def init_from(self, target: PreTrainedModel) -> None:
+        """Start from the target's last layer, with fc passing the feature through (the draft's
+        first guess: the target's last layer applied once more)."""
+        layer = target.model.layers[-1]
+        attn, mlp = layer.self_attn, layer.mlp
+        sources = {"attn_norm": layer.input_layernorm, "q": attn.q_proj, "k": attn.k_proj,
+                   "v": attn.v_proj, "o": attn.o_proj, "mlp_norm": layer.post_attention_layernorm,
+                   "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+        with torch.no_grad():
+            for name, module in sources.items():
+                mine = getattr(self, name)
+                (mine if isinstance(mine, nn.Parameter) else mine.weight).copy_(
+                    module.weight.detach().float())
+            hidden = self.shape.hidden_size
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden] = torch.eye(hidden)
+            self.fc.weight[:, hidden:].normal_(0, 0.02 / math.sqrt(hidden))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as in verispec.native.llama: x [B, T, heads, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureExample:
+    ids: torch.Tensor  # [T] long: prompt + response
+    start: int  # the response starts here
+    features: torch.Tensor  # [T, H] bfloat16: the target's last hidden states
+
+
+def target_features(native: NativeLlama, sequences: list[Sequence], max_length: int
+                    ) -> list[FeatureExample]:
+    """The target's features for every position of every sequence (cut to max_length), from
+    the runtime the drafter will read them from."""
+    examples = []
+    for seq in tqdm(sequences, desc="target features", unit="seq", mininterval=5):
+        ids = seq.ids[:max_length]
+        if ids.numel() < 3:
+            continue
+        cache = native.new_cache()
+        native.forward(ids, 0, 1, cache)
+        examples.append(FeatureExample(ids, seq.start, cache.features[: ids.numel()].clone()))
+    return examples
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureTrainSettings:
+    steps: int = 600
+    batch_size: int = 8
+    lr: float = 5e-4
+    feature_weight: float = 0.1  # smooth-L1 on features, relative to the KL
+    noise: float = 0.05  # uniform noise on input features, relative to their RMS
+    seed: int = 0
+    eval_every: int = 100
+
+
+class FrozenHead:
+    """The target's final norm and head rows for head_token_ids: features -> log-probs."""
+
+    def __init__(self, target: PreTrainedModel, head_token_ids: torch.Tensor) -> None:
+        self.norm = target.model.norm.weight.detach().float()
+        self.weight = target.get_output_embeddings().weight.detach().float()[head_token_ids]
+        self.eps = target.config.rms_norm_eps
+
+    def log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(features, self.norm.shape, self.norm, self.eps)
+        return torch.log_softmax(normed @ self.weight.T, dim=-1)
+
+
+def _batch(examples: list[FeatureExample], embed: torch.Tensor):
+    """Pad to the longest -> inputs (features, embeddings) [B, T-1, H], targets [B, T-1, H],
+    mask [B, T-1] (real positions), response mask [B, T-1]."""
+    length = max(int(e.ids.numel()) for e in examples) - 1
+    hidden = embed.shape[1]
+    feats = torch.zeros(len(examples), length + 1, hidden)
+    nexts = torch.zeros(len(examples), length, dtype=torch.long)
+    mask = torch.zeros(len(examples), length, dtype=torch.bool)
+    response = torch.zeros(len(examples), length, dtype=torch.bool)
+    for row, e in enumerate(examples):
+        n = int(e.ids.numel()) - 1
+        feats[row, : n + 1] = e.features.float()
+        nexts[row, :n] = e.ids[1:]
+        mask[row, :n] = True
+        response[row, max(e.start - 1, 0):n] = True
+    return feats[:, :-1], embed[nexts], feats[:, 1:], mask, response
+
+
+def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExample],
+             embed: torch.Tensor) -> dict:
+    """Held-out KL and top-1 agreement with the target on response positions, from the target's
+    own features (depth 1) and from the draft's own prediction one step back (depth 2)."""
+    kl = agree1 = agree2 = count = count2 = 0.0
+    with torch.no_grad():
+        for i in range(0, len(examples), 8):
+            inputs, embeddings, targets, _, response = _batch(examples[i:i + 8], embed)
+            predicted = head(inputs, embeddings)
+            target_lp, draft_lp = frozen.log_probs(targets), frozen.log_probs(predicted)
+            top = target_lp.argmax(-1)
+            kl += (target_lp.exp() * (target_lp - draft_lp)).sum(-1)[response].sum().item()
+            agree1 += (draft_lp.argmax(-1) == top)[response].sum().item()
+            count += response.sum().item()
+            # Depth 2: position s reads the draft's predicted f_s instead of the target's.
+            second = head(torch.cat([inputs[:, :1], predicted[:, :-1]], dim=1), embeddings)
+            hits = (frozen.log_probs(second).argmax(-1) == top)[:, 1:][response[:, 1:]]
+            agree2 += hits.sum().item()
+            count2 += hits.numel()
+    return {"kl": kl / max(count, 1), "agreement": agree1 / max(count, 1),
+            "agreement_depth2": agree2 / max(count2, 1)}
+
+
+def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tensor,
+                       examples: list[FeatureExample], heldout: list[FeatureExample],
+                       settings: FeatureTrainSettings, checkpoint: Path | None = None,
+                       log_file: Path | None = None) -> dict:
+    """AdamW with warm-up and cosine decay; resumes from `checkpoint` when it exists."""
+    generator = torch.Generator().manual_seed(settings.seed)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    first = 0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=True)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        first = int(state["step"])
+        log.info("resumed feature-head training at step %d", first)
+    report = {}
+    progress = tqdm(range(first, settings.steps), desc="train feature draft", unit="step",
+                    initial=first, total=settings.steps, mininterval=5)
+    started, tokens = time.perf_counter(), 0
+    for step in progress:
+        # 1. A batch of whole sequences, drawn with the seeded generator.
+        picks = torch.randint(0, len(examples), (settings.batch_size,), generator=generator)
+        inputs, embeddings, targets, mask, _ = _batch([examples[i] for i in picks], embed)
+        scale = inputs.pow(2).mean().sqrt()
+        noise = (torch.rand(inputs.shape, generator=generator) * 2 - 1) * settings.noise * scale
+        # 2. Loss: KL from the target's distribution, plus smooth L1 on the features.
+        predicted = head(inputs + noise, embeddings)
+        target_lp = frozen.log_probs(targets)
+        draft_lp = frozen.log_probs(predicted)
+        kl = (target_lp.exp() * (target_lp - draft_lp)).sum(-1)[mask].mean()
+        feature_loss = F.smooth_l1_loss(predicted[mask] / scale, targets[mask] / scale)
+        loss = kl + settings.feature_weight * feature_loss
+        # 3. Step, with warm-up and cosine decay.
+        lr = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (
+            1 + math.cos(math.pi * step / settings.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        tokens += int(mask.sum())
+        rate = tokens / (time.perf_counter() - started)
+        progress.set_postfix(kl=f"{kl.item():.3f}", tok_s=f"{rate:.0f}", refresh=False)
+        line = f"step {step + 1} kl {kl.item():.4f} feature {feature_loss.item():.4f} " \
+               f"lr {lr:.2e} {rate:.0f} tokens/s"
+        # 4. Evaluate and checkpoint now and then.
+        if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
+            report = evaluate(head, frozen, heldout, embed)
+            line += " | held-out " + " ".join(f"{k} {v:.3f}" for k, v in report.items())
+            if checkpoint is not None:
+                staging = checkpoint.with_suffix(".tmp")
+                torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                            "generator": generator.get_state(), "step": step + 1}, staging)
+                os.replace(staging, checkpoint)
+        if log_file is not None and ((step + 1) % 10 == 0 or "held-out" in line):
+            with open(log_file, "a") as handle:
+                handle.write(line + "\n")
+            log.info("%s", line)
+    return report
+
+
+# -- folder -------------------------------------------------------------------------------------
+
+
+def save_feature_draft(head: FeatureHead, head_token_ids: torch.Tensor, folder: Path,
+                       target: PreTrainedModel, tokenizer, card: str) -> None:
+    """Write the folder (staged, then renamed over any previous one); bfloat16 weights."""
+    folder = Path(folder)
+    staging = folder.with_name(folder.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    config = LlamaConfig.from_dict(target.config.to_dict())
+    config.num_hidden_layers = 1
+    config.save_pretrained(staging)
+    weights = {name: value.detach().to(torch.bfloat16).contiguous()
+               for name, value in head.state_dict().items()}
+    weights["head_token_ids"] = head_token_ids.long().contiguous()
+    safetensors.torch.save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+    meta = {"format": FORMAT, "version": VERSION, "kind": KIND,
+            "target": target_signature(target, tokenizer),
+            "head_vocab": int(head_token_ids.numel())}
+    (staging / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    (staging / "README.md").write_text(card)
+    old = folder.with_name(folder.name + ".old")
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(staging, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def is_feature_draft(folder) -> bool:
+    path = Path(folder) / META_FILE if isinstance(folder, str | os.PathLike) else None
+    return path is not None and path.is_file() and json.loads(path.read_text()).get(
+        "kind") == KIND
+
+
+def load_feature_weights(folder, target: PreTrainedModel, tokenizer=None
+                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """-> (the head's weights by name, head_token_ids [Vh]); refuses another target's draft."""
+    folder = Path(folder)
+    meta = json.loads((folder / META_FILE).read_text())
+    if meta.get("format") != FORMAT or meta.get("kind") != KIND:
+        raise IncompatibleDraftError(f"{folder} is not a verispec feature draft")
+    expected, actual = meta["target"], target_signature(target, tokenizer)
+    for key in ("vocab_size", "hidden_size", "tokenizer"):
+        if expected.get(key) and actual.get(key) and expected[key] != actual[key]:
+            raise IncompatibleDraftError(
+                f"{folder} was distilled for another target ({key} differs): use the target it "
+                f"was distilled from")
+    weights = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
+    head_token_ids = weights.pop("head_token_ids")
+    return weights, head_token_ids
