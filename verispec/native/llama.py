@@ -343,11 +343,15 @@ class NativeLlama:
                     grouped[None, :, :, t], keys[:, :, :start + t + 1],
                     values[:, :, :start + t + 1]).view(heads, 1, dim)
                 for t in range(length)], dim=1)
-        keys, values = keys[0], values[0]
+        # A prompt pass: one causal call over every head (4-d, so the fused flash kernel runs;
+        # a 3-d call took the unfused math path: 15 s instead of ~1 s for 1,334 positions).
+        keys = keys[:, :, :end].repeat_interleave(group, dim=1)  # [1, nh, end, d]
+        values = values[:, :, :end].repeat_interleave(group, dim=1)
+        if start == 0:
+            return F.scaled_dot_product_attention(q.unsqueeze(0), keys, values,
+                                                  is_causal=True)[0]
         mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(start)
-        keys = keys[:, :end].repeat_interleave(group, dim=0)
-        values = values[:, :end].repeat_interleave(group, dim=0)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask)[0]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), weight.shape, weight, self.shape.rms_norm_eps).to(self.dtype)
