@@ -113,10 +113,10 @@ class _FeatureModel:
             return weights[name].to(dtype=dtype, device=device).contiguous()
 
         layer = LayerWeights(
-            attn_norm=weights["attn_norm"].float().to(device),
+            attn_norm=cast("attn_norm"),
             qkv=Linear(torch.cat([cast("q.weight"), cast("k.weight"), cast("v.weight")])),
             out=Linear(cast("o.weight")),
-            mlp_norm=weights["mlp_norm"].float().to(device),
+            mlp_norm=cast("mlp_norm"),
             gate_up=Linear(torch.cat([cast("gate.weight"), cast("up.weight")])),
             down=Linear(cast("down.weight")))
         head = target.get_output_embeddings().weight.detach()[head_token_ids]

@@ -116,10 +116,10 @@ class Linear:
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    attn_norm: torch.Tensor  # [H] float32
+    attn_norm: torch.Tensor  # [H], in the model's dtype
     qkv: Linear  # H -> (nh + 2 nkv) d
     out: Linear  # nh d -> H
-    mlp_norm: torch.Tensor  # [H] float32
+    mlp_norm: torch.Tensor  # [H]
     gate_up: Linear  # H -> 2 I
     down: Linear  # I -> H
 
@@ -197,8 +197,8 @@ class NativeLlama:
         angles = torch.outer(torch.arange(shape.max_positions, dtype=torch.float64), inv_freq)
         # Full-width tables with the sign of the rotated half folded in:
         # rotate(x) = x * cos + swap_halves(x) * sin.
-        self.cos = torch.cat([angles.cos(), angles.cos()], -1).float().to(self.device)  # [P, d]
-        self.sin = torch.cat([-angles.sin(), angles.sin()], -1).float().to(self.device)
+        self.cos = torch.cat([angles.cos(), angles.cos()], -1).to(self.dtype).to(self.device)
+        self.sin = torch.cat([-angles.sin(), angles.sin()], -1).to(self.dtype).to(self.device)
         group = shape.num_heads // shape.num_kv_heads
         self.grouped_queries = _rows_are_independent(self.dtype, self.device, shape.head_dim,
                                                      group)
@@ -229,15 +229,15 @@ class NativeLlama:
             if shape.attention_bias:
                 bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).to(dtype)
             layers.append(LayerWeights(
-                attn_norm=layer.input_layernorm.weight.detach().float(),
+                attn_norm=weight(layer.input_layernorm),
                 qkv=linear(attn.q_proj, attn.k_proj, attn.v_proj, bias=bias),
                 out=linear(attn.o_proj),
-                mlp_norm=layer.post_attention_layernorm.weight.detach().float(),
+                mlp_norm=weight(layer.post_attention_layernorm),
                 gate_up=linear(mlp.gate_proj, mlp.up_proj),
                 down=linear(mlp.down_proj)))
         embed = weight(model.model.embed_tokens)
         lm_head = linear(model.get_output_embeddings())
-        return cls(shape, embed, layers, model.model.norm.weight.detach().float(), lm_head)
+        return cls(shape, embed, layers, weight(model.model.norm), lm_head)
 
     def describe(self) -> str:
         int8 = " int8 weights" if self.lm_head.scales is not None else ""
@@ -354,15 +354,15 @@ class NativeLlama:
         return F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask)[0]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), weight.shape, weight, self.shape.rms_norm_eps).to(self.dtype)
+        return F.rms_norm(x, weight.shape, weight, self.shape.rms_norm_eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' half-split convention, in float32: x [T, heads, d],
-    cos/sin [T, d] from the tables above."""
-    x32 = x.float()
-    swapped = torch.cat([x32[..., x.shape[-1] // 2:], x32[..., : x.shape[-1] // 2]], dim=-1)
-    return torch.addcmul(x32 * cos.unsqueeze(1), swapped, sin.unsqueeze(1)).to(x.dtype)
+    """Rotary embedding, transformers' half-split convention, in the model's dtype as
+    transformers computes it: x [T, heads, d], cos/sin [T, d] from the tables above."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos.unsqueeze(1), swapped, sin.unsqueeze(1))
 
 
 def _rows_are_independent(dtype: torch.dtype, device: torch.device, head_dim: int,
