@@ -101,6 +101,8 @@ def test_a_target_without_kept_features_is_refused(run, target):
     drafter = make_drafter(str(result.draft), model, tokenizer)
     with pytest.raises(IncompatibleDraftError, match="native runtime"):
         SpeculativeDecoder(model, tokenizer, drafter, runtime="hf")
+    with pytest.raises(IncompatibleDraftError, match="feature draft"):
+        make_drafter(f"hybrid:{result.draft}", model, tokenizer)
 
 
 def test_the_first_round_drafts_nothing_then_drafts_from_the_targets_features():

@@ -281,6 +281,9 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
             raise IncompatibleDraftError("no draft is shipped for this target: use "
                                          "hybrid:PATH with a draft model folder")
         drafter = make_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8)
+        if not isinstance(drafter, ModelDrafter):
+            raise IncompatibleDraftError(f"hybrid lookup pairs n-grams with a draft model; "
+                                         f"{model_draft} is a {drafter.name} draft")
         return HybridDrafter(drafter)
     from verispec.distill.feature import is_feature_draft, load_feature_weights
     from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle

@@ -163,6 +163,7 @@ class FrozenHead:
         self.norm = target.model.norm.weight.detach().float()
         self.weight = target.get_output_embeddings().weight.detach().float()[head_token_ids]
         self.eps = target.config.rms_norm_eps
+        self.token_ids = head_token_ids  # [Vh]
 
     def log_probs(self, features: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(features, self.norm.shape, self.norm, self.eps)
@@ -263,13 +264,14 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
             if checkpoint is not None:
                 staging = checkpoint.with_suffix(".tmp")
                 torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                            "generator": generator.get_state(), "step": step + 1}, staging)
+                            "generator": generator.get_state(), "step": step + 1,
+                            "head_token_ids": frozen.token_ids}, staging)
                 os.replace(staging, checkpoint)
         if log_file is not None and ((step + 1) % 10 == 0 or "held-out" in line):
             with open(log_file, "a") as handle:
                 handle.write(line + "\n")
             log.info("%s", line)
-    return report
+    return report or evaluate(head, frozen, heldout, embed)  # (a resumed, finished run)
 
 
 # -- folder -------------------------------------------------------------------------------------
