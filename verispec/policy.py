@@ -211,6 +211,7 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
     (every row one position): v(n) times a pass where every row has n positions, c one draft
     step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
     Drafter (its forks draft the rows) or None."""
+    from verispec.drafters.feature import FeatureDrafter, propose_features_together
     from verispec.drafters.model import ModelDrafter, propose_together
     from verispec.runtime import batched_logits
 
@@ -235,6 +236,9 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
         def draft_step() -> None:
             if isinstance(drafter, ModelDrafter):
                 propose_together(drafters, histories, [1] * batch, greedy, [None] * batch)
+            elif isinstance(drafter, FeatureDrafter):
+                propose_features_together(drafters, histories, [1] * batch, greedy,
+                                          [None] * batch)
             else:
                 for d, h in zip(drafters, histories, strict=True):
                     d.propose(h, 1, greedy[0], None)

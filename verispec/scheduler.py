@@ -29,6 +29,7 @@ import torch
 
 from verispec.drafters import HybridDrafter, ModelDrafter
 from verispec.drafters.base import Draft, Drafter, empty_draft
+from verispec.drafters.feature import FeatureDrafter, propose_features_together
 from verispec.drafters.model import propose_together
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
@@ -181,9 +182,11 @@ class Scheduler:
                                min_speedup=BATCH_MARGIN)
 
     def _propose(self, running: list[_Request], ks: list[int]) -> list[Draft]:
-        """Every row's draft: lookups row by row, draft models in lockstep passes."""
+        """Every row's draft: lookups row by row, draft models and feature drafts in lockstep
+        passes."""
         drafts: list[Draft] = [empty_draft() for _ in running]
         model_rows: list[tuple[int, ModelDrafter]] = []
+        feature_rows: list[tuple[int, FeatureDrafter]] = []
         for i, request in enumerate(running):
             drafter, history = request.drafter, request.sequence.history
             if drafter is None or ks[i] == 0:
@@ -194,6 +197,8 @@ class Scheduler:
                     model_rows.append((i, drafter.model))
             elif isinstance(drafter, ModelDrafter):
                 model_rows.append((i, drafter))
+            elif isinstance(drafter, FeatureDrafter):
+                feature_rows.append((i, drafter))
             else:
                 drafts[i] = drafter.propose(history, ks[i], request.params,
                                             request.sequence.generator)
@@ -204,6 +209,14 @@ class Scheduler:
                 [ks[i] for i, _ in model_rows], [running[i].params for i, _ in model_rows],
                 [running[i].sequence.generator for i, _ in model_rows])
             for (i, _), draft in zip(model_rows, proposed, strict=True):
+                drafts[i] = draft
+        if feature_rows:
+            proposed = propose_features_together(
+                [drafter for _, drafter in feature_rows],
+                [running[i].sequence.history for i, _ in feature_rows],
+                [ks[i] for i, _ in feature_rows], [running[i].params for i, _ in feature_rows],
+                [running[i].sequence.generator for i, _ in feature_rows])
+            for (i, _), draft in zip(feature_rows, proposed, strict=True):
                 drafts[i] = draft
         return drafts
 

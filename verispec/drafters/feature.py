@@ -70,35 +70,73 @@ class FeatureDrafter:
         params: SamplingParams,
         generator: torch.Generator | None,
     ) -> Draft:
+        return propose_features_together([self], [history], [k], [params], [generator])[0]
+
+    def _first_to_read(self, history: torch.Tensor, k: int) -> int | None:
+        """The first position whose pair (f_s, x_{s+1}) this round reads, or None when it
+        cannot draft (no k, or the target has no features for the history yet)."""
         if self.runner is None:
             raise RuntimeError("FeatureDrafter.follow(target runner) must come first")
         length = int(history.numel())
-        # 1. The target's features are good for the positions whose tokens it saw as they are.
-        known = common_prefix(self.runner.cached_ids, history)
-        if k <= 0 or length < 2 or known < length - 1:
-            return empty_draft()
-        # 2. Read the pairs (f_s, x_{s+1}) not read yet (at least the last one), s <= L-2.
-        first = max(0, min(common_prefix(self.fed, history) - 1, length - 2))
-        model, features = self.model, self.runner.cache.features
-        logits = model.step(self.cache, features[first:length - 1], history[first + 1:length],
-                            first)  # [1, Vh]
-        self.fed = history
-        # 3. Draft k tokens, each step reading the draft's own predicted feature.
-        tokens, probs, position = [], [], length - 2
-        for step in range(k):
-            logits = fit_vocab(logits, self.vocab_size, self.head_token_ids)  # [1, V]
-            if params.greedy:
-                token = logits.argmax(dim=-1).cpu()  # [1]
+        # The target's features are good for the positions whose tokens it saw as they are.
+        if k <= 0 or length < 2 or common_prefix(self.runner.cached_ids, history) < length - 1:
+            return None
+        # Pairs read in earlier rounds stay good up to where the history still agrees; the last
+        # one (s = L-2) is always read, its logits start the draft.
+        return max(0, min(common_prefix(self.fed, history) - 1, length - 2))
+
+
+def propose_features_together(drafters: list[FeatureDrafter], histories: list[torch.Tensor],
+                              ks: list[int], params: list[SamplingParams],
+                              generators: list[torch.Generator | None]) -> list[Draft]:
+    """FeatureDrafter.propose for many sequences in lockstep: each draft step is one pass of the
+    shared head over the rows that still want a token. Rows draw with their own params and
+    generators, exactly as alone."""
+    drafts = [empty_draft() for _ in drafters]
+    firsts = [d._first_to_read(h, k) for d, h, k in zip(drafters, histories, ks, strict=True)]
+    rows = [i for i, first in enumerate(firsts) if first is not None]
+    if not rows:
+        return drafts
+    model = drafters[rows[0]].model
+    if any(drafters[i].model is not model for i in rows):
+        raise ValueError("feature drafters drafting together must share one head")
+    # 1. Every row reads its new real pairs (f_s, x_{s+1}), s = first..L-2, in one pass.
+    passes = []
+    for i in rows:
+        history, first = histories[i], firsts[i]
+        features = drafters[i].runner.cache.features[first:history.numel() - 1]  # [T, H]
+        passes.append((drafters[i].cache, features, history[first + 1:], first))
+        drafters[i].fed = history
+    logits = model.step_rows(passes)  # per row [1, Vh]
+    positions = {i: int(histories[i].numel()) - 2 for i in rows}
+    tokens: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
+    probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
+    for step in range(max(ks[i] for i in rows)):
+        # 2. Each drafting row draws its next token from its own warped distribution.
+        for i, row_logits in zip(rows, logits, strict=True):
+            row_logits = fit_vocab(row_logits, drafters[i].vocab_size,
+                                   drafters[i].head_token_ids)  # [1, V]
+            if params[i].greedy:
+                token = row_logits.argmax(dim=-1).cpu()  # [1]
             else:
-                draft_probs = warp(logits, params)  # [1, V]
-                token = sample(draft_probs, generator).cpu()
-                probs.append(draft_probs[0])
-            tokens.append(token)
-            if step + 1 < k:
-                predicted = self.cache.features[position:position + 1]  # [1, H]
-                position += 1
-                logits = model.step(self.cache, predicted, token, position)
-        return Draft(torch.cat(tokens), torch.stack(probs) if probs else None)
+                draft_probs = warp(row_logits, params[i])  # [1, V]
+                token = sample(draft_probs, generators[i]).cpu()
+                probs[i].append(draft_probs[0])
+            tokens[i].append(token)
+        # 3. Rows that want more read (their predicted feature, the token) in one pass.
+        rows = [i for i in rows if ks[i] > step + 1]
+        if not rows:
+            break
+        passes = []
+        for i in rows:
+            cache, position = drafters[i].cache, positions[i]
+            passes.append((cache, cache.features[position:position + 1], tokens[i][-1],
+                           position + 1))
+            positions[i] = position + 1
+        logits = model.step_rows(passes)
+    for i, row_tokens in tokens.items():
+        drafts[i] = Draft(torch.cat(row_tokens), torch.stack(probs[i]) if probs[i] else None)
+    return drafts
 
 
 class _FeatureModel:
@@ -127,10 +165,13 @@ class _FeatureModel:
         self.native = NativeLlama(shape, self.embed, [layer], target_native.final_norm,
                                   Linear(head.to(dtype=dtype, device=device).contiguous()))
 
-    def step(self, cache, features: torch.Tensor, next_ids: torch.Tensor, start: int
-             ) -> torch.Tensor:
-        """Pairs at positions start.. (features [T, H], next_ids [T]) -> logits [1, Vh] of the
-        last position; predicted features land in cache.features."""
-        inputs = self.fc(torch.cat([features, self.embed[next_ids]], dim=-1))  # [T, H]
-        return self.native.forward_rows([RowPass(cache, next_ids, start, 1)], inputs=inputs)[0]
+    def step_rows(self, passes: list[tuple]) -> list[torch.Tensor]:
+        """For every (cache, features [T, H], next_ids [T], start): the pairs at positions
+        start.. in one pass -> per row logits [1, Vh] of its last position; the predicted
+        features land in each cache's features."""
+        features = torch.cat([features for _, features, _, _ in passes])  # [N, H]
+        next_ids = torch.cat([ids for _, _, ids, _ in passes])  # [N]
+        inputs = self.fc(torch.cat([features, self.embed[next_ids]], dim=-1))  # [N, H]
+        return self.native.forward_rows(
+            [RowPass(cache, ids, start, 1) for cache, _, ids, start in passes], inputs=inputs)
 
