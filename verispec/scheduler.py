@@ -202,21 +202,15 @@ class Scheduler:
             else:
                 drafts[i] = drafter.propose(history, ks[i], request.params,
                                             request.sequence.generator)
-        if model_rows:
-            proposed = propose_together(
-                [drafter for _, drafter in model_rows],
-                [running[i].sequence.history for i, _ in model_rows],
-                [ks[i] for i, _ in model_rows], [running[i].params for i, _ in model_rows],
-                [running[i].sequence.generator for i, _ in model_rows])
-            for (i, _), draft in zip(model_rows, proposed, strict=True):
-                drafts[i] = draft
-        if feature_rows:
-            proposed = propose_features_together(
-                [drafter for _, drafter in feature_rows],
-                [running[i].sequence.history for i, _ in feature_rows],
-                [ks[i] for i, _ in feature_rows], [running[i].params for i, _ in feature_rows],
-                [running[i].sequence.generator for i, _ in feature_rows])
-            for (i, _), draft in zip(feature_rows, proposed, strict=True):
+        for rows, propose in ((model_rows, propose_together),
+                              (feature_rows, propose_features_together)):
+            if not rows:
+                continue
+            proposed = propose([drafter for _, drafter in rows],
+                               [running[i].sequence.history for i, _ in rows],
+                               [ks[i] for i, _ in rows], [running[i].params for i, _ in rows],
+                               [running[i].sequence.generator for i, _ in rows])
+            for (i, _), draft in zip(rows, proposed, strict=True):
                 drafts[i] = draft
         return drafts
 

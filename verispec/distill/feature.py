@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,13 @@ from tqdm import tqdm
 from transformers import LlamaConfig, PreTrainedModel
 
 from verispec.distill.data import Sequence
-from verispec.distill.model import FORMAT, META_FILE, VERSION, WEIGHTS_FILE, target_signature
+from verispec.distill.model import (
+    FORMAT,
+    META_FILE,
+    WEIGHTS_FILE,
+    target_signature,
+    write_draft_folder,
+)
 from verispec.errors import IncompatibleDraftError
 from verispec.native.llama import LlamaShape, NativeLlama
 
@@ -280,29 +285,12 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
 def save_feature_draft(head: FeatureHead, head_token_ids: torch.Tensor, folder: Path,
                        target: PreTrainedModel, tokenizer, card: str) -> None:
     """Write the folder (staged, then renamed over any previous one); bfloat16 weights."""
-    folder = Path(folder)
-    staging = folder.with_name(folder.name + ".staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     config = LlamaConfig.from_dict(target.config.to_dict())
     config.num_hidden_layers = 1
-    config.save_pretrained(staging)
     weights = {name: value.detach().to(torch.bfloat16).contiguous()
                for name, value in head.state_dict().items()}
-    weights["head_token_ids"] = head_token_ids.long().contiguous()
-    safetensors.torch.save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-    meta = {"format": FORMAT, "version": VERSION, "kind": KIND,
-            "target": target_signature(target, tokenizer),
-            "head_vocab": int(head_token_ids.numel())}
-    (staging / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    (staging / "README.md").write_text(card)
-    old = folder.with_name(folder.name + ".old")
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(staging, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    write_draft_folder(folder, config, weights, head_token_ids, {"kind": KIND}, target,
+                       tokenizer, card)
 
 
 def is_feature_draft(folder) -> bool:

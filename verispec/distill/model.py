@@ -74,19 +74,29 @@ def init_draft(target: PreTrainedModel, layers: int, head_token_ids: torch.Tenso
 def save_draft(draft: LlamaForCausalLM, head_token_ids: torch.Tensor, folder: Path,
                target: PreTrainedModel, tokenizer, card: str, train_head: bool) -> None:
     """Write the draft folder at `folder`, replacing any previous one (staged, then renamed)."""
+    weights = {name: value.detach().cpu().contiguous() for name, value in
+               draft.state_dict().items()
+               if name != EMBEDDING_KEY and (train_head or name != HEAD_KEY)}
+    meta = {"layers": draft.config.num_hidden_layers, "trained_head": train_head}
+    write_draft_folder(folder, draft.config, weights, head_token_ids, meta, target, tokenizer,
+                       card)
+
+
+def write_draft_folder(folder: Path, config, weights: dict[str, torch.Tensor],
+                       head_token_ids: torch.Tensor, meta: dict, target: PreTrainedModel,
+                       tokenizer, card: str) -> None:
+    """A draft folder (config, weights + head ids, verispec_draft.json with the target's
+    signature and `meta`, the tokenizer, a model card), staged, then renamed over any previous
+    one so a reader never sees half a folder."""
     folder = Path(folder)
     staging = folder.with_name(folder.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    draft.config.save_pretrained(staging)
-    weights = {name: value.detach().cpu().contiguous() for name, value in
-               draft.state_dict().items()
-               if name != EMBEDDING_KEY and (train_head or name != HEAD_KEY)}
-    weights["head_token_ids"] = head_token_ids.cpu().long().contiguous()
+    config.save_pretrained(staging)
+    weights = {**weights, "head_token_ids": head_token_ids.cpu().long().contiguous()}
     safetensors.torch.save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
     meta = {"format": FORMAT, "version": VERSION, "target": target_signature(target, tokenizer),
-            "head_vocab": int(head_token_ids.numel()), "layers": draft.config.num_hidden_layers,
-            "trained_head": train_head}
+            "head_vocab": int(head_token_ids.numel()), **meta}
     (staging / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
