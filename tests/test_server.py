@@ -250,19 +250,18 @@ def test_models_health_and_metrics(client, url):
 
 
 def test_a_failed_round_fails_its_requests_and_the_server_goes_on(client, monkeypatch):
-    step = Scheduler.step
-
-    def fail_once(scheduler):
-        monkeypatch.setattr(Scheduler, "step", step)
+    # Every round fails while patched (a round that failed once could have been spent on
+    # another test's leftover request, and this one would then succeed).
+    def fail(scheduler):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(Scheduler, "step", fail_once)
-    with pytest.raises(openai.InternalServerError, match="boom"):
-        client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
-    monkeypatch.setattr(Scheduler, "step", fail_once)
-    chunks = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, stream=True)
-    with pytest.raises(openai.APIError, match="boom"):
-        list(chunks)
+    with monkeypatch.context() as patch:
+        patch.setattr(Scheduler, "step", fail)
+        with pytest.raises(openai.InternalServerError, match="boom"):
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
+        chunks = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, stream=True)
+        with pytest.raises(openai.APIError, match="boom"):
+            list(chunks)
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=8).choices[0].text
 
 
