@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from verispec import loading
 from verispec.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from verispec.drafters.base import follow_target
 from verispec.engine import speculate
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
@@ -79,8 +80,7 @@ class SpeculativeDecoder:
             self.target = make_runner(target, runtime, dtype=dtype, int8=int8)
         self.tokenizer = tokenizer
         self.drafter = drafter
-        if hasattr(drafter, "follow"):  # a drafter that reads the target's features
-            drafter.follow(self.target)
+        follow_target(drafter, self.target)
         self.k = k if drafter is not None else 0
         self.chat = chat
         self.eos_ids = _eos_ids(target, tokenizer)

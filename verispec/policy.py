@@ -211,8 +211,8 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
     (every row one position): v(n) times a pass where every row has n positions, c one draft
     step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
     Drafter (its forks draft the rows) or None."""
-    from verispec.drafters.feature import FeatureDrafter, propose_features_together
-    from verispec.drafters.model import ModelDrafter, propose_together
+    from verispec.drafters.base import follow_target
+    from verispec.drafters.batch import propose_batch
     from verispec.runtime import batched_logits
 
     generator = torch.Generator().manual_seed(0)
@@ -229,19 +229,11 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
     if drafter is not None:
         drafters = [drafter.fork() for _ in runners]
         for row_drafter, runner in zip(drafters, runners, strict=True):
-            if hasattr(row_drafter, "follow"):  # it reads that row's target features
-                row_drafter.follow(runner)
+            follow_target(row_drafter, runner)
         greedy = [SamplingParams()] * batch
 
         def draft_step() -> None:
-            if isinstance(drafter, ModelDrafter):
-                propose_together(drafters, histories, [1] * batch, greedy, [None] * batch)
-            elif isinstance(drafter, FeatureDrafter):
-                propose_features_together(drafters, histories, [1] * batch, greedy,
-                                          [None] * batch)
-            else:
-                for d, h in zip(drafters, histories, strict=True):
-                    d.propose(h, 1, greedy[0], None)
+            propose_batch(drafters, histories, [1] * batch, greedy, [None] * batch)
 
         draft_step()
         draft_s = fastest([draft_step], repeats)[0]

@@ -27,10 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters import HybridDrafter, ModelDrafter
-from verispec.drafters.base import Draft, Drafter, empty_draft
-from verispec.drafters.feature import FeatureDrafter, propose_features_together
-from verispec.drafters.model import propose_together
+from verispec.drafters.base import Draft, Drafter, follow_target
+from verispec.drafters.batch import propose_batch
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
 from verispec.policy import AdaptiveK
@@ -147,8 +145,7 @@ class Scheduler:
         if decoder.drafter is not None:
             request.drafter = self._free_drafters.pop() if self._free_drafters else \
                 decoder.drafter.fork()
-            if hasattr(request.drafter, "follow"):  # it reads this row's target features
-                request.drafter.follow(request.runner)
+            follow_target(request.drafter, request.runner)
             request.drafter.reset()
         request.stats = StatsRecorder(k=decoder.k)
         request.text = TextStream(decoder.tokenizer, request.params.stop)
@@ -182,37 +179,10 @@ class Scheduler:
                                min_speedup=BATCH_MARGIN)
 
     def _propose(self, running: list[_Request], ks: list[int]) -> list[Draft]:
-        """Every row's draft: lookups row by row, draft models and feature drafts in lockstep
-        passes."""
-        drafts: list[Draft] = [empty_draft() for _ in running]
-        model_rows: list[tuple[int, ModelDrafter]] = []
-        feature_rows: list[tuple[int, FeatureDrafter]] = []
-        for i, request in enumerate(running):
-            drafter, history = request.drafter, request.sequence.history
-            if drafter is None or ks[i] == 0:
-                continue
-            if isinstance(drafter, HybridDrafter):
-                drafts[i] = drafter.lookup.propose(history, ks[i], request.params, None)
-                if not len(drafts[i]):
-                    model_rows.append((i, drafter.model))
-            elif isinstance(drafter, ModelDrafter):
-                model_rows.append((i, drafter))
-            elif isinstance(drafter, FeatureDrafter):
-                feature_rows.append((i, drafter))
-            else:
-                drafts[i] = drafter.propose(history, ks[i], request.params,
-                                            request.sequence.generator)
-        for rows, propose in ((model_rows, propose_together),
-                              (feature_rows, propose_features_together)):
-            if not rows:
-                continue
-            proposed = propose([drafter for _, drafter in rows],
-                               [running[i].sequence.history for i, _ in rows],
-                               [ks[i] for i, _ in rows], [running[i].params for i, _ in rows],
-                               [running[i].sequence.generator for i, _ in rows])
-            for (i, _), draft in zip(rows, proposed, strict=True):
-                drafts[i] = draft
-        return drafts
+        """Every row's draft (`drafters.batch.propose_batch`)."""
+        return propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
+                             ks, [r.params for r in running],
+                             [r.sequence.generator for r in running])
 
     def _advance(self, request: _Request, new_ids: list[int]) -> Event:
         """Text for the round's tokens; finish the request on a stop string, EOS or budget."""

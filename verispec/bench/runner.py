@@ -18,8 +18,8 @@ from verispec.bench.config import BenchConfig
 from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench.report import summarise, write_outputs
-from verispec.decoder import SpeculativeDecoder, check_vocab, vocab_size
-from verispec.distill.feature import is_feature_draft, load_feature_weights
+from verispec.decoder import SpeculativeDecoder, check_vocab, make_drafter, vocab_size
+from verispec.distill.feature import is_feature_draft
 from verispec.distill.model import is_distilled_draft, load_draft
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.drafters.feature import FeatureDrafter
@@ -39,8 +39,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         draft = loading.default_draft(config.target)
     if draft is not None and is_feature_draft(draft):
         # reads the target's features as it runs: no separate runner, no transformers peer
-        weights, head_token_ids = load_feature_weights(draft, model, tokenizer)
-        feature_drafter = FeatureDrafter(weights, head_token_ids, model, vocab_size(model))
+        feature_drafter = make_drafter(draft, model, tokenizer)
     elif draft is not None and is_distilled_draft(draft):
         # verispec drafts with the subset head it was trained with; transformers needs
         # full-width logits, so its assistant is the same layers with the target's full head.

@@ -41,7 +41,7 @@ from verispec.distill.model import (
     write_draft_folder,
 )
 from verispec.errors import IncompatibleDraftError
-from verispec.native.llama import LlamaShape, NativeLlama
+from verispec.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
 
 log = logging.getLogger("verispec.distill")
 
@@ -68,12 +68,9 @@ class FeatureHead(nn.Module):
         self.gate = nn.Linear(hidden, shape.intermediate_size, bias=False)
         self.up = nn.Linear(hidden, shape.intermediate_size, bias=False)
         self.down = nn.Linear(shape.intermediate_size, hidden, bias=False)
-        half = dim // 2
-        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-        angles = torch.outer(torch.arange(shape.max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1).float(), persistent=False)
-        self.register_buffer("sin", torch.cat([-angles.sin(), angles.sin()], -1).float(),
-                             persistent=False)
+        cos, sin = rope_tables(shape)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """features, embeddings [B, T, H] (position s: f_s and the embedding of x_{s+1}) ->
@@ -86,8 +83,8 @@ class FeatureHead(nn.Module):
         q = self.q(h).view(batch, length, shape.num_heads, shape.head_dim)
         k = self.k(h).view(batch, length, shape.num_kv_heads, shape.head_dim)
         v = self.v(h).view(batch, length, shape.num_kv_heads, shape.head_dim)
-        cos, sin = self.cos[:length, None], self.sin[:length, None]  # [T, 1, d]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.cos[:length], self.sin[:length]  # [T, d]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         group = shape.num_heads // shape.num_kv_heads
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         attended = F.scaled_dot_product_attention(
@@ -114,12 +111,6 @@ class FeatureHead(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden)
             self.fc.weight[:, hidden:].normal_(0, 0.02 / math.sqrt(hidden))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as in verispec.native.llama: x [B, T, heads, d]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 # -- data ---------------------------------------------------------------------------------------

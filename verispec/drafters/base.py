@@ -51,3 +51,11 @@ class Drafter(Protocol):
 
 def empty_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)
+
+
+def follow_target(drafter: Drafter | None, runner) -> None:
+    """Tie a drafter that reads the target's hidden states (one with `follow`, as
+    FeatureDrafter) to the target runner of its sequence; other drafters need nothing."""
+    follow = getattr(drafter, "follow", None)
+    if follow is not None:
+        follow(runner)

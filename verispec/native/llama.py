@@ -192,13 +192,8 @@ class NativeLlama:
         self.shape = shape
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.dtype, self.device = embed.dtype, embed.device
-        half = shape.head_dim // 2
-        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-        angles = torch.outer(torch.arange(shape.max_positions, dtype=torch.float64), inv_freq)
-        # Full-width tables with the sign of the rotated half folded in:
-        # rotate(x) = x * cos + swap_halves(x) * sin.
-        self.cos = torch.cat([angles.cos(), angles.cos()], -1).to(self.dtype).to(self.device)
-        self.sin = torch.cat([-angles.sin(), angles.sin()], -1).to(self.dtype).to(self.device)
+        cos, sin = rope_tables(shape)
+        self.cos, self.sin = (table.to(self.dtype).to(self.device) for table in (cos, sin))
         group = shape.num_heads // shape.num_kv_heads
         self.grouped_queries = _rows_are_independent(self.dtype, self.device, shape.head_dim,
                                                      group)
@@ -273,7 +268,7 @@ class NativeLlama:
         for index, layer in enumerate(self.layers):
             # 1. Fused q/k/v for every position, rotary positions on q and k at once.
             qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [N, (nh + 2 nkv) d]
-            qk = _rotate(qkv[:, :rotary_width].view(total, -1, shape.head_dim), cos, sin)
+            qk = rotate(qkv[:, :rotary_width].view(total, -1, shape.head_dim), cos, sin)
             q, k = qk.split([shape.num_heads, shape.num_kv_heads], dim=1)  # [N, heads, d]
             v = qkv[:, rotary_width:].view(total, shape.num_kv_heads, shape.head_dim)
             # 2. Row by row: K/V into the row's cache, attention over it.
@@ -357,9 +352,19 @@ class NativeLlama:
         return F.rms_norm(x, weight.shape, weight, self.shape.rms_norm_eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' half-split convention, in the model's dtype as
-    transformers computes it: x [T, heads, d], cos/sin [T, d] from the tables above."""
+def rope_tables(shape: LlamaShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, d] float32: full-width tables with the sign of the rotated half
+    folded in, so that rotate(x) = x * cos + swap_halves(x) * sin."""
+    half = shape.head_dim // 2
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    angles = torch.outer(torch.arange(shape.max_positions, dtype=torch.float64), inv_freq)
+    return (torch.cat([angles.cos(), angles.cos()], -1).float(),
+            torch.cat([-angles.sin(), angles.sin()], -1).float())
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' half-split convention, in x's dtype as transformers
+    computes it: x [..., T, heads, d], cos/sin [T, d] from `rope_tables`."""
     half = x.shape[-1] // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
     return torch.addcmul(x * cos.unsqueeze(1), swapped, sin.unsqueeze(1))
