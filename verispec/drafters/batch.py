@@ -1,0 +1,45 @@
+"""Drafting for many sequences at once (the batch scheduler and the batch cost model)."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Draft, Drafter, empty_draft
+from verispec.drafters.feature import FeatureDrafter, propose_features_together
+from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.model import ModelDrafter, propose_together
+from verispec.params import SamplingParams
+
+
+def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor], ks: list[int],
+                  params: list[SamplingParams], generators: list[torch.Generator | None]
+                  ) -> list[Draft]:
+    """Drafter.propose for every row: lookups row by row; draft models and feature drafts in
+    lockstep, one pass per draft step for all their rows; a hybrid row looks up first and joins
+    the draft-model rows when nothing matches. A row with no drafter or k = 0 drafts nothing."""
+    drafts: list[Draft] = [empty_draft() for _ in drafters]
+    model_rows: list[tuple[int, ModelDrafter]] = []
+    feature_rows: list[tuple[int, FeatureDrafter]] = []
+    for i, drafter in enumerate(drafters):
+        if drafter is None or ks[i] == 0:
+            continue
+        if isinstance(drafter, HybridDrafter):
+            drafts[i] = drafter.lookup.propose(histories[i], ks[i], params[i], None)
+            if not len(drafts[i]):
+                model_rows.append((i, drafter.model))
+        elif isinstance(drafter, ModelDrafter):
+            model_rows.append((i, drafter))
+        elif isinstance(drafter, FeatureDrafter):
+            feature_rows.append((i, drafter))
+        else:
+            drafts[i] = drafter.propose(histories[i], ks[i], params[i], generators[i])
+    for rows, propose in ((model_rows, propose_together),
+                          (feature_rows, propose_features_together)):
+        if not rows:
+            continue
+        proposed = propose([drafter for _, drafter in rows], [histories[i] for i, _ in rows],
+                           [ks[i] for i, _ in rows], [params[i] for i, _ in rows],
+                           [generators[i] for i, _ in rows])
+        for (i, _), draft in zip(rows, proposed, strict=True):
+            drafts[i] = draft
+    return drafts
