@@ -79,6 +79,22 @@ def test_data_shards_are_written(run, config):
     assert "tokens/s" in (config.out / "train.log").read_text()
 
 
+def test_shards_keep_the_native_targets_features_of_every_position(run, config, target):
+    from verispec.distill.feature import target_features
+    from verispec.native.llama import NativeLlama
+
+    model, _ = target
+    native = NativeLlama.from_hf(model, torch.bfloat16)
+    sequences = load_shard(config.out / "data" / "shard-00000.safetensors")
+    for seq in sequences:
+        assert seq.features is not None
+        assert seq.features.shape == (seq.ids.numel(), model.config.hidden_size)
+    stored = target_features(native, sequences, max_length=512)
+    fresh = target_features(native, [replace(s, features=None) for s in sequences], 512)
+    for a, b in zip(stored, fresh, strict=True):
+        assert torch.equal(a.features, b.features)  # the same runtime, the same pass
+
+
 def test_resumed_run_skips_finished_shards_and_rewrites_lost_ones(run, config):
     data = config.out / "data"
     kept, lost = data / "shard-00000.safetensors", data / "shard-00001.safetensors"

@@ -228,7 +228,11 @@ def add_distill_command(commands) -> None:
     distill.add_argument("--layers", type=int, help="draft layers (kind layers)")
     distill.add_argument("--head-vocab", type=int, help="tokens covered by the draft's LM head")
     distill.add_argument("--steps", type=int, help="training steps")
-    distill.add_argument("--batch-size", type=int, help="sequences per generate call and step")
+    distill.add_argument("--batch-size", type=int, help="rows decoded together for the data")
+    distill.add_argument("--train-batch", type=int, help="sequences per training step "
+                         "(default: --batch-size)")
+    distill.add_argument("--eval-prompts", type=int, help="prompts of the held-out shard")
+    distill.add_argument("--shard-prompts", type=int, help="prompts per data shard")
     distill.add_argument("--lr", type=float)
     distill.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     distill.add_argument("--seed", type=int)

@@ -26,7 +26,8 @@ class DistillConfig:
     eval_prompts: int = 16  # extra prompts whose responses form the held-out shard
     shard_prompts: int = 64  # prompts per data shard (the unit of resumption)
     max_new_tokens: int = 256
-    batch_size: int = 16  # sequences per generate call and per training step
+    batch_size: int = 16  # rows decoded together when writing data
+    train_batch: int | None = None  # sequences per training step (None: batch_size)
     temperature: float = 1.0  # sampling temperature of the responses
     greedy_fraction: float = 0.25  # share of generation batches decoded greedily
     topk: int = 16  # target log-probabilities kept per position
@@ -54,6 +55,10 @@ class DistillConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.train_batch is not None and (not isinstance(self.train_batch, int)
+                                             or isinstance(self.train_batch, bool)
+                                             or self.train_batch < 1):
+            raise ValueError(f"train_batch must be a positive integer, got {self.train_batch!r}")
         if not 0 <= self.self_prompts <= self.num_prompts:
             raise ValueError(f"self_prompts must be in [0, num_prompts={self.num_prompts}], "
                              f"got {self.self_prompts}")
@@ -67,6 +72,10 @@ class DistillConfig:
             raise ValueError(f"kind must be 'layers' or 'feature', got {self.kind!r}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda", "mps")):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.batch_size if self.train_batch is None else self.train_batch
 
     @property
     def torch_device(self) -> torch.device:

@@ -8,6 +8,9 @@ token, the target's top-k next-token log-probabilities at the position that pred
     starts [S] int64             where sequence i's response starts (its prompt length)
     topk_ids [N, k] int32        N = the summed response lengths; each row sorted, best first
     topk_logprobs [N, k] float16
+    features [total, H] bfloat16 the target's last hidden state (before its final norm) at every
+                                 position, from the same pass; only when the target ran on the
+                                 native runtime (feature drafts train on them)
 
 Example: prompt [5, 6], response [7, 8] -> ids [5, 6, 7, 8], start 2, and two top-k rows, read
 from the positions that predict 7 (position 1) and 8 (position 2).
@@ -20,16 +23,18 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
-from verispec.decoder import _eos_ids
+from verispec.decoder import SpeculativeDecoder
+from verispec.native.runner import NativeCachedModel
+from verispec.params import SamplingParams
+from verispec.scheduler import Scheduler
 
 log = logging.getLogger("verispec.distill")
 
@@ -40,6 +45,7 @@ class Sequence:
     start: int  # the response is ids[start:]
     topk_ids: torch.Tensor  # [T - start, k] long: row r predicts ids[start + r]
     topk_logprobs: torch.Tensor  # [T - start, k] float32
+    features: torch.Tensor | None = None  # [T, H]: the target's features (native runtime only)
 
     @property
     def response_length(self) -> int:
@@ -47,18 +53,17 @@ class Sequence:
 
 
 class Teacher:
-    """The target as a data source: encodes prompts, samples responses in batches, scores them."""
+    """The target as a data source: encodes prompts, samples responses in continuous batches on
+    verispec's own runtime (native where the architecture allows), scores them."""
 
     def __init__(self, model: PreTrainedModel, tokenizer, chat: bool) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.chat = chat and bool(getattr(tokenizer, "chat_template", None))
-        self.device = next(model.parameters()).device
-        eos = sorted(_eos_ids(model, tokenizer))
-        self.eos_ids = tuple(eos)
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self.pad_id = pad if isinstance(pad, int) else (eos[0] if eos else 0)
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.decoder = SpeculativeDecoder(model, tokenizer, drafter=None, chat=False)
+        self.runner = self.decoder.target.sibling()  # the scoring pass's own cache
+        self.eos_ids = tuple(sorted(self.decoder.eos_ids))
+        self.max_positions = self.decoder.target.max_positions
 
     def encode(self, text: str) -> list[int]:
         """A user message -> prompt ids (chat template with the assistant turn opened, or plain
@@ -69,55 +74,53 @@ class Teacher:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(text)["input_ids"]
 
-    @torch.inference_mode()
-    def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float | None,
-               seed: int) -> list[list[int]]:
-        """One batch: responses for `prompts` (left-padded), sampled at `temperature` or greedy
-        when it is None; each cut after its first EOS."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # [B, P]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
-        sampling = {"do_sample": False} if temperature is None else {
-            "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=list(self.eos_ids),
-                                  pad_token_id=self.pad_id, **sampling)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            out = self.model.generate(input_ids=ids.to(self.device),
-                                      attention_mask=mask.to(self.device),
-                                      generation_config=config)
-        return [self._cut_at_eos(row) for row in out[:, width:].tolist()]
+    def sample(self, prompts: list[list[int]], max_new_tokens: int,
+               temperatures: list[float | None], seeds: list[int], max_batch: int
+               ) -> list[list[int]]:
+        """Responses to `prompts`, row i sampled at temperatures[i] (None: greedy) with
+        seeds[i], decoded `max_batch` rows at a time with continuous batching (a finished row's
+        slot is refilled at once); each response ends with its EOS, if it met one. A row's
+        tokens do not depend on which rows share its batch (native runtime)."""
+        scheduler = Scheduler(self.decoder, max_batch=max_batch)
+        rows = {}
+        for i, (prompt, temperature, seed) in enumerate(
+                zip(prompts, temperatures, seeds, strict=True)):
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature or 0.0,
+                                    seed=seed)
+            rows[scheduler.add(prompt, params, chat=False)] = i
+        outputs = scheduler.run()
+        return [list(outputs[request].token_ids) for request in sorted(rows, key=rows.get)]
 
     @torch.inference_mode()
-    def score(self, ids: list[int], start: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, ids: list[int], start: int, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Teacher-forced pass over one sequence -> the top-k (ids [N, k] long, log-probs [N, k]
-        float32) at the N = len(ids) - start positions that predict the response tokens."""
+        float32) at the N = len(ids) - start positions that predict the response tokens, and
+        the target's features [len(ids), H] when it runs natively (else None)."""
         n = len(ids) - start
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), logits_to_keep=n + 1)
-        logprobs = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)  # [N, V]
+        if isinstance(self.runner, NativeCachedModel):  # one pass, features kept
+            cache = self.runner.cache
+            logits = self.runner.model.forward(torch.tensor(ids), 0, n + 1, cache)  # [N + 1, V]
+            features = cache.features[: len(ids)].clone()
+        else:
+            self.runner.reset()
+            logits = self.runner.logits(torch.tensor(ids), num_logits=n + 1)
+            features = None
+        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # [N, V]
         top = torch.topk(logprobs, k, dim=-1)
-        return top.indices.cpu(), top.values.cpu()
+        return top.indices.cpu(), top.values.cpu(), None if features is None else features.cpu()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
-
-    def _cut_at_eos(self, row: list[int]) -> list[int]:
-        for i, token in enumerate(row):
-            if token in self.eos_ids:
-                return row[: i + 1]
-        return row
 
 
 def generate_texts(teacher: Teacher, requests: list[str], max_new_tokens: int, batch_size: int,
                    temperature: float, seed: int) -> list[str]:
     """The target's decoded replies to `requests` (used to write self-prompts)."""
-    replies = []
-    for i in range(0, len(requests), batch_size):
-        prompts = [teacher.encode(text) for text in requests[i : i + batch_size]]
-        responses = teacher.sample(prompts, max_new_tokens, temperature, seed + i)
-        replies += [teacher.decode(r) for r in responses]
-    return replies
+    prompts = [teacher.encode(text) for text in requests]
+    responses = teacher.sample(prompts, max_new_tokens, [temperature] * len(prompts),
+                               [seed + i for i in range(len(prompts))], batch_size)
+    return [teacher.decode(r) for r in responses]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,21 +140,20 @@ def write_shards(teacher: Teacher, plans: list[ShardPlan], max_new_tokens: int, 
                  len(plans))
     state = json.loads(progress.read_text()) if progress.is_file() else {"tokens": 0,
                                                                            "seconds": 0.0}
-    batches = sum(-(-len(plan.prompts) // batch_size) for plan in todo)
-    bar = tqdm(total=batches, desc="data", unit="batch", disable=None)
+    bar = tqdm(total=len(todo), desc="data", unit="shard", disable=None)
     for plan in todo:
-        # 1. Sample and score the shard's prompts, batch by batch (greedy batches drawn by seed).
+        # 1. Sample the shard's prompts in one continuous batch (greedy rows drawn by seed),
+        #    then score every sequence in a teacher-forced pass.
         began = time.perf_counter()
+        prompts, temperatures, seeds = _rows(teacher, plan, greedy_fraction, temperature,
+                                             max_new_tokens)
+        responses = teacher.sample(prompts, max_new_tokens, temperatures, seeds, batch_size)
         sequences = []
-        for batch, greedy in _batches(teacher, plan, batch_size, greedy_fraction,
-                                      max_new_tokens):
-            responses = teacher.sample(batch, max_new_tokens, None if greedy else temperature,
-                                       plan.seed + len(sequences))
-            for prompt, response in zip(batch, responses, strict=True):
-                top_ids, top_logprobs = teacher.score(prompt + response, len(prompt), topk)
-                sequences.append(Sequence(torch.tensor(prompt + response), len(prompt), top_ids,
-                                          top_logprobs))
-            bar.update(1)
+        for prompt, response in zip(prompts, responses, strict=True):
+            top_ids, top_logprobs, features = teacher.score(prompt + response, len(prompt),
+                                                            topk)
+            sequences.append(Sequence(torch.tensor(prompt + response), len(prompt), top_ids,
+                                      top_logprobs, features))
         # 2. Write it atomically, then the progress record.
         save_shard(plan.path, sequences)
         seconds = time.perf_counter() - began
@@ -164,23 +166,23 @@ def write_shards(teacher: Teacher, plans: list[ShardPlan], max_new_tokens: int, 
         log.info("data: %s (%d/%d), %d sequences, %d response tokens in %.0f s (%.1f tokens/s)",
                  plan.path.name, state["shards_done"], len(plans), len(sequences), tokens,
                  seconds, tokens / max(seconds, 1e-9))
+        bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}")
     bar.close()
 
 
-def _batches(teacher: Teacher, plan: ShardPlan, batch_size: int, greedy_fraction: float,
-             max_new_tokens: int) -> Iterator[tuple[list[list[int]], bool]]:
-    """The shard's prompts encoded, sorted by length (less padding), in batches, each marked
-    greedy with probability greedy_fraction (seeded)."""
+def _rows(teacher: Teacher, plan: ShardPlan, greedy_fraction: float, temperature: float,
+          max_new_tokens: int) -> tuple[list[list[int]], list[float | None], list[int]]:
+    """The shard's prompts encoded (those with room for a response), each row's temperature
+    (None, greedy, with probability greedy_fraction) and seed, all drawn from the plan's seed."""
     encoded = [teacher.encode(text) for text in plan.prompts]
-    kept = sorted((p for p in encoded if len(p) + max_new_tokens <= teacher.max_positions),
-                  key=len)
+    kept = [p for p in encoded if len(p) + max_new_tokens <= teacher.max_positions]
     if len(kept) < len(encoded):
         log.warning("data: %d prompts skipped: no room for the response in the context",
                     len(encoded) - len(kept))
     rng = random.Random(plan.seed)
-    for i in range(0, len(kept), batch_size):
-        yield kept[i : i + batch_size], rng.random() < greedy_fraction
+    temperatures = [None if rng.random() < greedy_fraction else temperature for _ in kept]
+    return kept, temperatures, [plan.seed + i for i in range(len(kept))]
 
 
 def save_shard(path: Path, sequences: list[Sequence]) -> None:
@@ -192,6 +194,8 @@ def save_shard(path: Path, sequences: list[Sequence]) -> None:
         "topk_ids": torch.cat([s.topk_ids for s in sequences]).to(torch.int32),
         "topk_logprobs": torch.cat([s.topk_logprobs for s in sequences]).to(torch.float16),
     }
+    if sequences and all(s.features is not None for s in sequences):
+        tensors["features"] = torch.cat([s.features for s in sequences]).to(torch.bfloat16)
     tmp = path.with_name(path.name + ".tmp")
     safetensors.torch.save_file(tensors, str(tmp))
     os.replace(tmp, path)
@@ -204,8 +208,9 @@ def load_shard(path: Path) -> list[Sequence]:
     for i, start in enumerate(starts):
         ids = t["ids"][offsets[i] : offsets[i + 1]].long()
         n = len(ids) - start
+        features = t["features"][offsets[i] : offsets[i + 1]] if "features" in t else None
         sequences.append(Sequence(ids, start, t["topk_ids"][row : row + n].long(),
-                                  t["topk_logprobs"][row : row + n].float()))
+                                  t["topk_logprobs"][row : row + n].float(), features))
         row += n
     return sequences
 

@@ -125,16 +125,21 @@ class FeatureExample:
 
 def target_features(native: NativeLlama, sequences: list[Sequence], max_length: int
                     ) -> list[FeatureExample]:
-    """The target's features for every position of every sequence (cut to max_length), from
-    the runtime the drafter will read them from."""
+    """The target's features for every position of every sequence (cut to max_length): those
+    the data shards stored (written by the same runtime), else from a pass of `native`, the
+    runtime the drafter will read them from."""
     examples = []
     for seq in tqdm(sequences, desc="target features", unit="seq", mininterval=5):
         ids = seq.ids[:max_length]
         if ids.numel() < 3:
             continue
-        cache = native.new_cache()
-        native.forward(ids, 0, 1, cache)
-        examples.append(FeatureExample(ids, seq.start, cache.features[: ids.numel()].clone()))
+        if seq.features is not None and seq.features.dtype == native.dtype:
+            features = seq.features[: ids.numel()]
+        else:
+            cache = native.new_cache()
+            native.forward(ids, 0, 1, cache)
+            features = cache.features[: ids.numel()].clone()
+        examples.append(FeatureExample(ids, seq.start, features))
     return examples
 
 
@@ -148,6 +153,8 @@ class FeatureTrainSettings:
     lr: float = 5e-4
     feature_weight: float = 0.1  # smooth-L1 on features, relative to the KL
     noise: float = 0.05  # uniform noise on input features, relative to their RMS
+    unroll: int = 2  # drafting depths trained: depth d reads the head's own depth d-1 features
+    unroll_weight: float = 0.5  # weight of each deeper depth's loss, relative to depth 1
     seed: int = 0
     eval_every: int = 100
 
@@ -232,13 +239,22 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
         inputs, embeddings, targets, mask, _ = _batch([examples[i] for i in picks], embed)
         scale = inputs.pow(2).mean().sqrt()
         noise = (torch.rand(inputs.shape, generator=generator) * 2 - 1) * settings.noise * scale
-        # 2. Loss: KL from the target's distribution, plus smooth L1 on the features.
-        predicted = head(inputs + noise, embeddings)
+        # 2. Loss: KL from the target's distribution plus smooth L1 on the features, at depth 1
+        #    (the target's features in) and at each deeper depth, where position s reads the
+        #    head's own prediction of f_s from the depth before, as drafting does.
         target_lp = frozen.log_probs(targets)
-        draft_lp = frozen.log_probs(predicted)
-        kl = (target_lp.exp() * (target_lp - draft_lp)).sum(-1)[mask].mean()
-        feature_loss = F.smooth_l1_loss(predicted[mask] / scale, targets[mask] / scale)
-        loss = kl + settings.feature_weight * feature_loss
+        features_in, losses = inputs + noise, []
+        for depth in range(settings.unroll):
+            predicted = head(features_in, embeddings)
+            depth_kl = (target_lp.exp() * (target_lp - frozen.log_probs(predicted))).sum(-1)
+            depth_kl = depth_kl[mask].mean()
+            depth_feature = F.smooth_l1_loss(predicted[mask] / scale, targets[mask] / scale)
+            weight = 1.0 if depth == 0 else settings.unroll_weight
+            losses.append(weight * (depth_kl + settings.feature_weight * depth_feature))
+            if depth == 0:
+                kl, feature_loss = depth_kl, depth_feature
+            features_in = torch.cat([features_in[:, :1], predicted[:, :-1]], dim=1)
+        loss = sum(losses)
         # 3. Step, with warm-up and cosine decay.
         lr = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (
             1 + math.cos(math.pi * step / settings.steps))

@@ -120,7 +120,7 @@ def _run(config: DistillConfig) -> DistillResult:
     # 4. Train; every checkpoint rewrites the draft folder.
     draft = init_draft(model, config.layers, head)
     draft.lm_head.weight.requires_grad_(config.train_head)
-    settings = TrainSettings(config.steps, config.batch_size, config.lr, config.seed,
+    settings = TrainSettings(config.steps, config.train_batch_size, config.lr, config.seed,
                              config.checkpoint_every, config.torch_device)
     folder = out / "draft"
 
@@ -152,7 +152,7 @@ def _run_feature(config: DistillConfig, model, tokenizer, sequences, heldout, he
     feature_head.init_from(model)
     frozen = FrozenHead(model, head)
     embed = model.get_input_embeddings().weight.detach().float()
-    settings = FeatureTrainSettings(steps=config.steps, batch_size=config.batch_size,
+    settings = FeatureTrainSettings(steps=config.steps, batch_size=config.train_batch_size,
                                     lr=config.lr, seed=config.seed,
                                     eval_every=config.checkpoint_every)
     report = train_feature_head(feature_head, frozen, embed, examples, held, settings,
@@ -180,8 +180,8 @@ def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequ
         f"the target wrote itself ({config.num_prompts} prompts, up to {config.max_new_tokens} "
         f"new tokens, temperature {config.temperature}, {config.greedy_fraction:.0%} greedy); "
         f"prompts from verispec's built-in list and the target's own, no benchmark questions.\n\n"
-        f"- trained {config.steps} steps, batch {config.batch_size} sequences, lr {config.lr}, "
-        f"seed {config.seed}\n"
+        f"- trained {config.steps} steps, batch {config.train_batch_size} sequences, "
+        f"lr {config.lr}, seed {config.seed}\n"
         f"- held-out (response positions): {figures}\n\n"
         f"It needs the native runtime (it reads the target's hidden states):\n\n"
         f"    verispec generate \"...\" --target TARGET --draft {config.out / 'draft'}\n"
@@ -268,7 +268,7 @@ def model_card(config: DistillConfig, report: TrainReport, head_size: int) -> st
         f"- embedding: the target's, frozen, taken from the target at load time (not stored)\n"
         f"- LM head: {head_size} most frequent tokens, "
         f"{'trained' if config.train_head else 'the target rows, frozen (not stored)'}\n"
-        f"- trained {report.step} steps, batch {config.batch_size}, lr {config.lr}, seed "
+        f"- trained {report.step} steps, batch {config.train_batch_size}, lr {config.lr}, seed "
         f"{config.seed}\n"
         f"- held-out top-1 agreement with the target: {report.heldout_agreement:.3f} "
         f"(KL {report.heldout_kl:.3f})\n\n"

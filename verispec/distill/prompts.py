@@ -2,7 +2,7 @@
 
 Two sources:
 - `builtin_prompts()`: templates x subjects over ten kinds of request (questions, instructions,
-  code, maths, writing, summaries, extraction, translation, rewriting, reasoning), 423 prompts.
+  code, maths, writing, summaries, extraction, translation, rewriting, reasoning), 747 prompts.
 - Self-prompts: the target writes them. `question_requests` ask it for a question a user might
   ask about a topic (its answer becomes a prompt); `passage_requests` ask it for a paragraph,
   and `summary_prompt` wraps that paragraph in a summarise/extract instruction.
@@ -20,7 +20,13 @@ TOPICS = (
     "electric cars", "sleep", "coffee", "chess", "the Roman Empire", "machine learning",
     "recycling", "earthquakes", "vaccines", "the Moon", "rainforests", "jazz", "bread baking",
     "solar panels", "inflation", "human memory", "bicycles", "glaciers", "the Silk Road",
-    "antibiotics",
+    "antibiotics", "the stock market", "bird migration", "nuclear power", "the French "
+    "Revolution", "plate tectonics", "climate change", "the human heart", "cloud computing",
+    "ancient Egypt", "wind turbines", "dinosaurs", "the periodic table", "public libraries",
+    "coral reefs", "the Olympic Games", "password security", "mushrooms", "airplanes",
+    "democracy", "renewable energy", "the blood-brain barrier", "opera", "desert plants",
+    "3D printing", "the speed of light", "urban gardening", "tea", "the Great Wall of China",
+    "mental health", "electric guitars",
 )
 
 QUESTION_TEMPLATES = (
@@ -30,6 +36,8 @@ QUESTION_TEMPLATES = (
     "What are three common misconceptions about {}?",
     "Explain {} to a ten-year-old.",
     "Give a short history of {}.",
+    "Write a short quiz of three questions about {}, with answers.",
+    "What are the main advantages and disadvantages of {}?",
 )
 
 TASKS = (
@@ -38,6 +46,8 @@ TASKS = (
     "cleaning a laptop keyboard", "writing a cover letter", "packing for a weekend trip",
     "keeping houseplants alive", "starting a daily journal", "making a budget spreadsheet",
     "training a puppy to sit", "reducing screen time", "cooking rice on a stove",
+    "giving a five-minute presentation", "fixing a flat bicycle tyre", "studying for an exam",
+    "moving to a new city", "writing a good password", "painting a small room",
 )
 
 INSTRUCTION_TEMPLATES = (
