@@ -18,6 +18,7 @@ from verispec import engine as engine_module
 from verispec.decoder import make_drafter
 from verispec.distill import DistillConfig, distill
 from verispec.distill.feature import FeatureHead, is_feature_draft
+from verispec.drafters import HybridDrafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.errors import IncompatibleDraftError
 from verispec.native import NativeCachedModel, NativeLlama
@@ -101,8 +102,33 @@ def test_a_target_without_kept_features_is_refused(run, target):
     drafter = make_drafter(str(result.draft), model, tokenizer)
     with pytest.raises(IncompatibleDraftError, match="native runtime"):
         SpeculativeDecoder(model, tokenizer, drafter, runtime="hf")
-    with pytest.raises(IncompatibleDraftError, match="feature draft"):
-        make_drafter(f"hybrid:{result.draft}", model, tokenizer)
+
+
+def test_hybrid_lookup_with_a_feature_draft_equals_plain_greedy_alone_and_in_a_batch(
+        run, target, monkeypatch):
+    """Lookup rounds skip the feature draft; it reads the features it missed when it drafts
+    next. Output stays the target's, alone and batched."""
+    _, result = run
+    model, tokenizer = target
+    drafter = make_drafter(f"hybrid:{result.draft}", model, tokenizer)
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.model, FeatureDrafter)
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime="native")
+    spec = SpeculativeDecoder(model, tokenizer, drafter, k=4, runtime="native")
+    prompts = ["abcabcabc abcabcabc", "What is photosynthesis?", "one two one two one two"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 23, 31)]
+    expected = [plain.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    feature_rounds = []
+    read = FeatureDrafter._first_to_read
+    monkeypatch.setattr(FeatureDrafter, "_first_to_read",
+                        lambda self, h, k: feature_rounds.append(read(self, h, k)) or
+                        feature_rounds[-1])
+    alone = [spec.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    assert [o.token_ids for o in alone] == expected
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    rounds = sum(o.stats.target_forwards for o in alone)
+    drafted = sum(first is not None for first in feature_rounds)
+    assert 0 < drafted < 2 * rounds  # the feature draft drafted, but not every round
+    assert sum(o.stats.accepted for o in alone) > 0
 
 
 def test_the_first_round_drafts_nothing_then_drafts_from_the_targets_features():

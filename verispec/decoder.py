@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verispec import loading
-from verispec.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from verispec.drafters import Drafter, FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.drafters.base import follow_target
 from verispec.engine import speculate
 from verispec.errors import IncompatibleDraftError
@@ -281,7 +281,7 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
             raise IncompatibleDraftError("no draft is shipped for this target: use "
                                          "hybrid:PATH with a draft model folder")
         drafter = make_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8)
-        if not isinstance(drafter, ModelDrafter):
+        if not isinstance(drafter, ModelDrafter | FeatureDrafter):
             raise IncompatibleDraftError(f"hybrid lookup pairs n-grams with a draft model; "
                                          f"{model_draft} is a {drafter.name} draft")
         return HybridDrafter(drafter)
@@ -289,8 +289,6 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
     from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle
 
     if is_feature_draft(draft):  # reads the target's features: built when it meets the runner
-        from verispec.drafters.feature import FeatureDrafter
-
         weights, head_token_ids = load_feature_weights(draft, target, tokenizer)
         return FeatureDrafter(weights, head_token_ids, target, vocab_size(target))
     if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset

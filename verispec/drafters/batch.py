@@ -16,7 +16,8 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
                   ) -> list[Draft]:
     """Drafter.propose for every row: lookups row by row; draft models and feature drafts in
     lockstep, one pass per draft step for all their rows; a hybrid row looks up first and joins
-    the draft-model rows when nothing matches. A row with no drafter or k = 0 drafts nothing."""
+    the draft-model (or feature) rows when nothing matches. A row with no drafter or k = 0
+    drafts nothing."""
     drafts: list[Draft] = [empty_draft() for _ in drafters]
     model_rows: list[tuple[int, ModelDrafter]] = []
     feature_rows: list[tuple[int, FeatureDrafter]] = []
@@ -26,7 +27,8 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
         if isinstance(drafter, HybridDrafter):
             drafts[i] = drafter.lookup.propose(histories[i], ks[i], params[i], None)
             if not len(drafts[i]):
-                model_rows.append((i, drafter.model))
+                rows = feature_rows if isinstance(drafter.model, FeatureDrafter) else model_rows
+                rows.append((i, drafter.model))
         elif isinstance(drafter, ModelDrafter):
             model_rows.append((i, drafter))
         elif isinstance(drafter, FeatureDrafter):

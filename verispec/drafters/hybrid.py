@@ -1,10 +1,12 @@
-"""Prompt lookup where the context repeats itself, a draft model everywhere else."""
+"""Prompt lookup where the context repeats itself, a draft model (or a feature draft)
+everywhere else."""
 
 from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, follow_target
+from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.params import SamplingParams
@@ -13,7 +15,8 @@ from verispec.params import SamplingParams
 class HybridDrafter:
     """Propose what followed the last occurrence of the current n-gram when an n-gram of at
     least `min_match` tokens recurs (copying from the prompt: summaries, extraction, code
-    edits), and the draft model's tokens otherwise.
+    edits), and the draft model's tokens otherwise. The draft model may be a feature draft: it
+    reads the target's features of every position it skipped when it drafts next.
 
     Each proposal keeps its own kind (Draft.source: the n-gram length, or 0 for the model), so
     the adaptive K policy learns separate acceptance rates for them. A lookup draft is
@@ -23,9 +26,14 @@ class HybridDrafter:
 
     name = "hybrid"
 
-    def __init__(self, model: ModelDrafter, min_match: int = 3, max_ngram: int = 5) -> None:
+    def __init__(self, model: ModelDrafter | FeatureDrafter, min_match: int = 3,
+                 max_ngram: int = 5) -> None:
         self.model = model
         self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_match)
+
+    def follow(self, runner) -> None:
+        """Tie a feature draft to the target runner of this sequence (nothing for a model)."""
+        follow_target(self.model, runner)
 
     def reset(self) -> None:
         self.model.reset()
