@@ -126,10 +126,9 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                   head_token_ids, eos_ids: frozenset[int]):
     methods, notes = [], []
     for name in config.methods:
-        if name in ("hybrid", "hf-assisted") and runners.feature_drafter is not None:
-            notes.append(f"{name} skipped: the draft reads the target's features, which "
-                         f"{'hybrid lookup' if name == 'hybrid' else 'transformers'} does not "
-                         "support")
+        if name == "hf-assisted" and runners.feature_drafter is not None:
+            notes.append("hf-assisted skipped: the draft reads the target's features, which "
+                         "transformers' assisted generation cannot give it")
             continue
         if name in ("draft", "hybrid", "hf-assisted") and runners.draft is None and \
                 runners.feature_drafter is None:

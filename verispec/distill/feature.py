@@ -236,19 +236,21 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
     for step in progress:
         # 1. A batch of whole sequences, drawn with the seeded generator.
         picks = torch.randint(0, len(examples), (settings.batch_size,), generator=generator)
-        inputs, embeddings, targets, mask, _ = _batch([examples[i] for i in picks], embed)
+        inputs, embeddings, targets, _, response = _batch([examples[i] for i in picks], embed)
         scale = inputs.pow(2).mean().sqrt()
         noise = (torch.rand(inputs.shape, generator=generator) * 2 - 1) * settings.noise * scale
-        # 2. Loss: KL from the target's distribution plus smooth L1 on the features, at depth 1
-        #    (the target's features in) and at each deeper depth, where position s reads the
-        #    head's own prediction of f_s from the depth before, as drafting does.
-        target_lp = frozen.log_probs(targets)
+        # 2. Loss on the response positions (the ones drafting meets): KL from the target's
+        #    distribution plus smooth L1 on the features, at depth 1 (the target's features in)
+        #    and at each deeper depth, where position s reads the head's own prediction of f_s
+        #    from the depth before, as drafting does.
+        wanted = targets[response]  # [M, H]
+        target_lp = frozen.log_probs(wanted)  # [M, Vh]
         features_in, losses = inputs + noise, []
         for depth in range(settings.unroll):
-            predicted = head(features_in, embeddings)
-            depth_kl = (target_lp.exp() * (target_lp - frozen.log_probs(predicted))).sum(-1)
-            depth_kl = depth_kl[mask].mean()
-            depth_feature = F.smooth_l1_loss(predicted[mask] / scale, targets[mask] / scale)
+            predicted = head(features_in, embeddings)  # [B, T, H]
+            draft_lp = frozen.log_probs(predicted[response])  # [M, Vh]
+            depth_kl = (target_lp.exp() * (target_lp - draft_lp)).sum(-1).mean()
+            depth_feature = F.smooth_l1_loss(predicted[response] / scale, wanted / scale)
             weight = 1.0 if depth == 0 else settings.unroll_weight
             losses.append(weight * (depth_kl + settings.feature_weight * depth_feature))
             if depth == 0:
@@ -264,7 +266,7 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
-        tokens += int(mask.sum())
+        tokens += int(response.sum())
         rate = tokens / (time.perf_counter() - started)
         progress.set_postfix(kl=f"{kl.item():.3f}", tok_s=f"{rate:.0f}", refresh=False)
         line = f"step {step + 1} kl {kl.item():.4f} feature {feature_loss.item():.4f} " \
