@@ -212,9 +212,24 @@ def test_head_vocabulary_takes_specials_then_the_most_probable_tokens():
     assert head_vocabulary([seq], 8, 10, []).tolist() == [3, 4, 5]  # only tokens with mass
 
 
+def test_a_run_on_the_first_shards_writes_only_those_and_says_how_to_redo_it(run, config):
+    from verispec.distill.pipeline import command_line
+
+    short = replace(config, out=config.out.parent / "short", train_shards=1, steps=2)
+    distill(short)
+    data = short.out / "data"
+    assert sorted(p.name for p in data.glob("*.safetensors")) == [
+        "heldout.safetensors", "shard-00000.safetensors"]
+    # the same prompt plan as the full run: its first shard is the full run's first shard
+    assert (data / "shard-00000.safetensors").read_bytes() == \
+        (config.out / "data" / "shard-00000.safetensors").read_bytes()
+    assert "--train-shards 1 " in command_line(short) + " "
+
+
 def test_config_validates_itself(tmp_path):
     bad = [{"num_prompts": 0}, {"self_prompts": 10_000}, {"temperature": 0.0},
-           {"greedy_fraction": 1.5}, {"lr": -1.0}, {"layers": 0}, {"device": "tpu"}]
+           {"greedy_fraction": 1.5}, {"lr": -1.0}, {"layers": 0}, {"device": "tpu"},
+           {"train_shards": 0}, {"train_batch": True}]
     for fields in bad:
         with pytest.raises(ValueError):
             DistillConfig(out=tmp_path, **fields)

@@ -233,6 +233,8 @@ def add_distill_command(commands) -> None:
                          "(default: --batch-size)")
     distill.add_argument("--eval-prompts", type=int, help="prompts of the held-out shard")
     distill.add_argument("--shard-prompts", type=int, help="prompts per data shard")
+    distill.add_argument("--train-shards", type=int, metavar="N", help="write and train on only "
+                         "the first N shards of the prompt plan")
     distill.add_argument("--lr", type=float)
     distill.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     distill.add_argument("--seed", type=int)

@@ -25,6 +25,8 @@ class DistillConfig:
     self_prompts: int = 96  # of num_prompts, how many the target writes itself
     eval_prompts: int = 16  # extra prompts whose responses form the held-out shard
     shard_prompts: int = 64  # prompts per data shard (the unit of resumption)
+    train_shards: int | None = None  # write and train on only the first N training shards of
+    # the prompt plan (a shorter run over the same prompts); None: all of them
     max_new_tokens: int = 256
     batch_size: int = 16  # rows decoded together when writing data
     train_batch: int | None = None  # sequences per training step (None: batch_size)
@@ -55,6 +57,11 @@ class DistillConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.train_shards is not None and (not isinstance(self.train_shards, int)
+                                              or isinstance(self.train_shards, bool)
+                                              or self.train_shards < 1):
+            raise ValueError(f"train_shards must be a positive integer, got "
+                             f"{self.train_shards!r}")
         if self.train_batch is not None and (not isinstance(self.train_batch, int)
                                              or isinstance(self.train_batch, bool)
                                              or self.train_batch < 1):

@@ -46,6 +46,7 @@ from verispec.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
 log = logging.getLogger("verispec.distill")
 
 KIND = "feature"
+FEATURE_UNROLL = 2  # drafting depths trained (depth d reads the head's own depth d-1 features)
 LAYER_KEYS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
 
@@ -153,7 +154,7 @@ class FeatureTrainSettings:
     lr: float = 5e-4
     feature_weight: float = 0.1  # smooth-L1 on features, relative to the KL
     noise: float = 0.05  # uniform noise on input features, relative to their RMS
-    unroll: int = 2  # drafting depths trained: depth d reads the head's own depth d-1 features
+    unroll: int = FEATURE_UNROLL
     unroll_weight: float = 0.5  # weight of each deeper depth's loss, relative to depth 1
     seed: int = 0
     eval_every: int = 100

@@ -42,6 +42,7 @@ from verispec import loading
 from verispec.distill.config import DistillConfig
 from verispec.distill.data import ShardPlan, Teacher, generate_texts, load_shard, write_shards
 from verispec.distill.feature import (
+    FEATURE_UNROLL,
     FeatureHead,
     FeatureTrainSettings,
     FrozenHead,
@@ -102,6 +103,8 @@ def _run(config: DistillConfig) -> DistillResult:
     # 1-2. Prompts, then the data shards (the first, held-out shard holds the eval prompts).
     prompts = build_prompts(teacher, config, data / "prompts.json")
     plans = shard_plans(prompts, config, data)
+    if config.train_shards is not None:
+        plans = plans[: 1 + config.train_shards]
     write_shards(teacher, plans, config.max_new_tokens, config.batch_size, config.temperature,
                  config.greedy_fraction, config.topk, data / "progress.json")
     heldout = load_shard(plans[0].path)
@@ -155,11 +158,13 @@ def _run_feature(config: DistillConfig, model, tokenizer, sequences, heldout, he
     settings = FeatureTrainSettings(steps=config.steps, batch_size=config.train_batch_size,
                                     lr=config.lr, seed=config.seed,
                                     eval_every=config.checkpoint_every)
+    started = time.perf_counter()
     report = train_feature_head(feature_head, frozen, embed, examples, held, settings,
                                 config.out / "ckpt.pt", config.out / "train-feature.log")
+    train_seconds = time.perf_counter() - started
     folder = config.out / "draft"
     card = feature_model_card(config, report, head.numel(), len(examples),
-                              sum(int(e.ids.numel()) for e in examples))
+                              sum(int(e.ids.numel()) for e in examples), train_seconds)
     save_feature_draft(feature_head, head, folder, model, tokenizer, card)
     log.info("distill: feature draft in %s (held-out %s)", folder, report)
     return DistillResult(folder, TrainReport(step=settings.steps,
@@ -168,24 +173,43 @@ def _run_feature(config: DistillConfig, model, tokenizer, sequences, heldout, he
 
 
 def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequences: int,
-                       positions: int) -> str:
+                       positions: int, train_seconds: float | None = None) -> str:
     target = config.target or "the embedded SmolLM2-135M-Instruct"
     figures = ", ".join(f"{name} {value:.3f}" for name, value in report.items())
+    timing = "" if train_seconds is None else f" in {train_seconds / 60:.0f} min"
     return (
         f"# verispec feature draft for {target}\n\n"
         f"An EAGLE-style draft: one Llama layer reading the target's last hidden state and the "
         f"next token's embedding, predicting the target's next hidden state; the target's "
         f"final norm and {head_size} rows of its head (not stored) make the logits. Distilled "
-        f"by `verispec distill --kind feature` on {sequences} sequences ({positions} positions) "
-        f"the target wrote itself ({config.num_prompts} prompts, up to {config.max_new_tokens} "
-        f"new tokens, temperature {config.temperature}, {config.greedy_fraction:.0%} greedy); "
-        f"prompts from verispec's built-in list and the target's own, no benchmark questions.\n\n"
-        f"- trained {config.steps} steps, batch {config.train_batch_size} sequences, "
+        f"on {sequences} sequences ({positions} positions) the target wrote itself "
+        f"({config.num_prompts} prompts, {config.self_prompts} of them written by the target, "
+        f"up to {config.max_new_tokens} new tokens, temperature {config.temperature}, "
+        f"{config.greedy_fraction:.0%} greedy); prompts from verispec's built-in list and the "
+        f"target's own, no benchmark questions. Trained on {FEATURE_UNROLL} drafting depths "
+        f"(the second reads the head's own predicted features).\n\n"
+        f"    {command_line(config)}\n\n"
+        f"- trained {config.steps} steps{timing}, batch {config.train_batch_size} sequences, "
         f"lr {config.lr}, seed {config.seed}\n"
         f"- held-out (response positions): {figures}\n\n"
         f"It needs the native runtime (it reads the target's hidden states):\n\n"
         f"    verispec generate \"...\" --target TARGET --draft {config.out / 'draft'}\n"
     )
+
+
+def command_line(config: DistillConfig) -> str:
+    """The `verispec distill` command that makes this run (flags that differ from the
+    defaults)."""
+    flags = {"num_prompts": "--prompts"}
+    defaults = DistillConfig(out=config.out)
+    parts = ["verispec distill", f"--out {config.out}"]
+    for name in DistillConfig.__dataclass_fields__:
+        value = getattr(config, name)
+        if name in ("out", "resume") or value == getattr(defaults, name):
+            continue
+        flag = flags.get(name, "--" + name.replace("_", "-"))
+        parts.append(flag if value is True else f"{flag} {value}")
+    return " ".join(parts)
 
 
 def _prepare_run_folder(config: DistillConfig) -> None:
