@@ -11,19 +11,16 @@
 5. The draft folder, draft/, rewritten at every checkpoint: `--draft RUN/draft` uses it.
 Everything is logged to RUN/train.log; `resume=True` continues an interrupted run.
 
-Sizing, SmolLM2-135M-Instruct (float32) on 2 CPU cores. Measured with 1 thread while another
-job shared the machine (so the 2-core figures below, taken as ~1.5x, are rough):
-- sampling with HF generate: 47 tokens/s at batch 8 (~170 ms a step, mostly per-layer overhead,
-  so a wider batch is nearly free), 63 at batch 16, 77 at batch 32 (short contexts);
-- the teacher-forced top-k pass: ~370 tokens/s, i.e. +15-20% on top of sampling;
-- training a 2-layer draft (8192-token head), batch 8 x 320 tokens: 1.7 s a step, ~1,500
-  tokens/s (forward + backward + AdamW).
-Data, ~45-50 min: at batch 16, ~60 response tokens/s on 2 cores once scoring and rows that end
-early are paid for -> ~160k response tokens in 45 min, i.e. ~640 prompts of up to 256 tokens
-(~200 on average), plus ~3 min for 96 self-prompts. Training, ~45 min: ~2,200 tokens/s on 2
-cores, steps of 16 sequences x ~250 tokens -> ~1.8 s a step, 800 steps in ~25-35 min (1,500 fit
-45 min), i.e. ~20 passes over 640 sequences; watch the held-out agreement in train.log for
-overfitting. These are DistillConfig's defaults.
+Sizing, SmolLM2-135M-Instruct on 2 CPU cores (measured):
+- data: verispec's scheduler on the native runtime (bfloat16) samples ~145 tokens/s at batch
+  16 and ~175 at batch 32 on short contexts (96 new tokens); a whole shard of 128 prompts with
+  up to 256 new tokens, its scoring pass (~700 tokens/s) and the batch's draining tail included,
+  came to ~70-75 response tokens/s, ~5 min a shard. (transformers' generate in float32 did
+  ~60 at batch 16.)
+- training a feature draft: see train-feature.log (tokens/s per step); a layers draft, batch
+  8 x 320 tokens: ~1.7 s a step.
+The defaults (640 prompts, 800 steps) are a run of about 1.5-2 h; the shipped SmolLM2 draft's
+model card gives the command it was made with.
 """
 
 from __future__ import annotations
