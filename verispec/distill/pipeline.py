@@ -180,7 +180,7 @@ def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequ
         f"next token's embedding, predicting the target's next hidden state; the target's "
         f"final norm and {head_size} rows of its head (not stored) make the logits. Distilled "
         f"on {sequences} sequences ({positions} positions) the target wrote itself "
-        f"({config.num_prompts} prompts, {config.self_prompts} of them written by the target, "
+        f"({_prompt_plan(config)}, "
         f"up to {config.max_new_tokens} new tokens, temperature {config.temperature}, "
         f"{config.greedy_fraction:.0%} greedy); prompts from verispec's built-in list and the "
         f"target's own, no benchmark questions. Trained on {FEATURE_UNROLL} drafting depths "
@@ -192,6 +192,14 @@ def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequ
         f"It needs the native runtime (it reads the target's hidden states):\n\n"
         f"    verispec generate \"...\" --target TARGET --draft {config.out / 'draft'}\n"
     )
+
+
+def _prompt_plan(config: DistillConfig) -> str:
+    plan = f"a plan of {config.num_prompts} prompts, {config.self_prompts} of them written by " \
+           f"the target"
+    if config.train_shards is None:
+        return plan
+    return f"the first {config.train_shards} shards of {config.shard_prompts} prompts of {plan}"
 
 
 def command_line(config: DistillConfig) -> str:
