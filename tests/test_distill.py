@@ -226,6 +226,21 @@ def test_a_run_on_the_first_shards_writes_only_those_and_says_how_to_redo_it(run
     assert "--train-shards 1 " in command_line(short) + " "
 
 
+def test_the_command_line_of_a_config_parses_back_to_that_config(tmp_path):
+    import shlex
+    from dataclasses import fields
+
+    from verispec.cli import build_parser
+    from verispec.distill.pipeline import command_line
+
+    config = DistillConfig(out=tmp_path / "run", kind="feature", num_prompts=100, self_prompts=7,
+                           greedy_fraction=0.5, chat=False, train_head=True, seq_len=256,
+                           train_shards=3, train_batch=4, lr=3e-4)
+    args = build_parser().parse_args(shlex.split(command_line(config))[1:])
+    names = {field.name for field in fields(DistillConfig)}
+    assert DistillConfig(**{k: v for k, v in vars(args).items() if k in names}) == config
+
+
 def test_config_validates_itself(tmp_path):
     bad = [{"num_prompts": 0}, {"self_prompts": 10_000}, {"temperature": 0.0},
            {"greedy_fraction": 1.5}, {"lr": -1.0}, {"layers": 0}, {"device": "tpu"},

@@ -221,12 +221,18 @@ def add_distill_command(commands) -> None:
     distill.add_argument("--self-prompts", type=int, help="of those, written by the target")
     distill.add_argument("--max-new-tokens", type=int, help="response length cap")
     distill.add_argument("--temperature", type=float, help="response sampling temperature")
+    distill.add_argument("--greedy-fraction", type=float,
+                         help="share of response rows decoded greedily")
+    distill.add_argument("--no-chat", action="store_false", dest="chat",
+                         help="prompts as plain text, without the chat template")
     distill.add_argument("--topk", type=int, help="target log-probabilities kept per position")
     distill.add_argument("--kind", choices=("layers", "feature"),
                          help="layers: a small LM on token embeddings (default); feature: an "
                               "EAGLE-style head reading the target's hidden states")
     distill.add_argument("--layers", type=int, help="draft layers (kind layers)")
     distill.add_argument("--head-vocab", type=int, help="tokens covered by the draft's LM head")
+    distill.add_argument("--train-head", action="store_true",
+                         help="train the head rows too (kind layers; stored in the draft)")
     distill.add_argument("--steps", type=int, help="training steps")
     distill.add_argument("--batch-size", type=int, help="rows decoded together for the data")
     distill.add_argument("--train-batch", type=int, help="sequences per training step "
@@ -236,6 +242,7 @@ def add_distill_command(commands) -> None:
     distill.add_argument("--train-shards", type=int, metavar="N", help="write and train on only "
                          "the first N shards of the prompt plan")
     distill.add_argument("--lr", type=float)
+    distill.add_argument("--seq-len", type=int, help="training sequences are cut to this length")
     distill.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     distill.add_argument("--seed", type=int)
     distill.add_argument("--device", help="auto (cuda when available), cpu or cuda")

@@ -31,7 +31,7 @@ class DistillConfig:
     batch_size: int = 16  # rows decoded together when writing data
     train_batch: int | None = None  # sequences per training step (None: batch_size)
     temperature: float = 1.0  # sampling temperature of the responses
-    greedy_fraction: float = 0.25  # share of generation batches decoded greedily
+    greedy_fraction: float = 0.25  # share of response rows decoded greedily
     topk: int = 16  # target log-probabilities kept per position
     chat: bool = True  # apply the chat template when the tokenizer has one
     # Draft and training.
@@ -53,19 +53,13 @@ class DistillConfig:
         positive = ("num_prompts", "eval_prompts", "shard_prompts", "max_new_tokens",
                     "batch_size", "topk", "layers", "head_vocab", "steps", "seq_len",
                     "checkpoint_every")
-        for name in positive:
+        optional = ("train_shards", "train_batch")  # None: see their comments
+        for name in positive + optional:
             value = getattr(self, name)
+            if name in optional and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.train_shards is not None and (not isinstance(self.train_shards, int)
-                                              or isinstance(self.train_shards, bool)
-                                              or self.train_shards < 1):
-            raise ValueError(f"train_shards must be a positive integer, got "
-                             f"{self.train_shards!r}")
-        if self.train_batch is not None and (not isinstance(self.train_batch, int)
-                                             or isinstance(self.train_batch, bool)
-                                             or self.train_batch < 1):
-            raise ValueError(f"train_batch must be a positive integer, got {self.train_batch!r}")
         if not 0 <= self.self_prompts <= self.num_prompts:
             raise ValueError(f"self_prompts must be in [0, num_prompts={self.num_prompts}], "
                              f"got {self.self_prompts}")

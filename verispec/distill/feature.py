@@ -176,20 +176,18 @@ class FrozenHead:
 
 def _batch(examples: list[FeatureExample], embed: torch.Tensor):
     """Pad to the longest -> inputs (features, embeddings) [B, T-1, H], targets [B, T-1, H],
-    mask [B, T-1] (real positions), response mask [B, T-1]."""
+    response mask [B, T-1] (the positions that predict response tokens)."""
     length = max(int(e.ids.numel()) for e in examples) - 1
     hidden = embed.shape[1]
     feats = torch.zeros(len(examples), length + 1, hidden)
     nexts = torch.zeros(len(examples), length, dtype=torch.long)
-    mask = torch.zeros(len(examples), length, dtype=torch.bool)
     response = torch.zeros(len(examples), length, dtype=torch.bool)
     for row, e in enumerate(examples):
         n = int(e.ids.numel()) - 1
         feats[row, : n + 1] = e.features.float()
         nexts[row, :n] = e.ids[1:]
-        mask[row, :n] = True
         response[row, max(e.start - 1, 0):n] = True
-    return feats[:, :-1], embed[nexts], feats[:, 1:], mask, response
+    return feats[:, :-1], embed[nexts], feats[:, 1:], response
 
 
 def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExample],
@@ -199,7 +197,7 @@ def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExampl
     kl = agree1 = agree2 = count = count2 = 0.0
     with torch.no_grad():
         for i in range(0, len(examples), 8):
-            inputs, embeddings, targets, _, response = _batch(examples[i:i + 8], embed)
+            inputs, embeddings, targets, response = _batch(examples[i:i + 8], embed)
             predicted = head(inputs, embeddings)
             target_lp, draft_lp = frozen.log_probs(targets), frozen.log_probs(predicted)
             top = target_lp.argmax(-1)
@@ -237,7 +235,7 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
     for step in progress:
         # 1. A batch of whole sequences, drawn with the seeded generator.
         picks = torch.randint(0, len(examples), (settings.batch_size,), generator=generator)
-        inputs, embeddings, targets, _, response = _batch([examples[i] for i in picks], embed)
+        inputs, embeddings, targets, response = _batch([examples[i] for i in picks], embed)
         scale = inputs.pow(2).mean().sqrt()
         noise = (torch.rand(inputs.shape, generator=generator) * 2 - 1) * settings.noise * scale
         # 2. Loss on the response positions (the ones drafting meets): KL from the target's

@@ -15,12 +15,12 @@ Sizing, SmolLM2-135M-Instruct on 2 CPU cores (measured):
 - data: verispec's scheduler on the native runtime (bfloat16) samples ~145 tokens/s at batch
   16 and ~175 at batch 32 on short contexts (96 new tokens); a whole shard of 128 prompts with
   up to 256 new tokens, its scoring pass (~700 tokens/s) and the batch's draining tail included,
-  came to ~70-75 response tokens/s, ~5 min a shard. (transformers' generate in float32 did
-  ~60 at batch 16.)
+  came to 107-115 response tokens/s, ~3.5 min a shard (70-75 while another job shared the
+  machine). (transformers' generate in float32 did ~60 at batch 16.)
 - training a feature draft: see train-feature.log (tokens/s per step); a layers draft, batch
   8 x 320 tokens: ~1.7 s a step.
-The defaults (640 prompts, 800 steps) are a run of about 1.5-2 h; the shipped SmolLM2 draft's
-model card gives the command it was made with.
+The defaults (640 prompts, 800 steps) are a run of about 1.5-2 h. A feature draft's model card
+gives the command it was made with (`command_line`).
 """
 
 from __future__ import annotations
@@ -213,7 +213,10 @@ def command_line(config: DistillConfig) -> str:
         if name in ("out", "resume") or value == getattr(defaults, name):
             continue
         flag = flags.get(name, "--" + name.replace("_", "-"))
-        parts.append(flag if value is True else f"{flag} {value}")
+        if isinstance(value, bool):  # a switch: --train-head, --no-chat
+            parts.append(flag if value else "--no-" + flag.removeprefix("--"))
+        else:
+            parts.append(f"{flag} {value}")
     return " ".join(parts)
 
 
