@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from verispec.errors import VerispecError
+from verispec.native import kernels
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 INVARIANT_MAX = 16  # passes up to this many positions attend batch-invariantly
@@ -77,10 +78,12 @@ class LlamaShape:
 
 
 class Linear:
-    """y = x W^T + b, in one of three forms, each giving output rows that are bitwise independent
+    """y = x W^T + b, in one of four forms, each giving output rows that are bitwise independent
     of how many rows the call holds:
-    - bfloat16 on the CPU: prepacked once into oneDNN's blocked layout (a SmolLM2 step's GEMMs
-      took 18 ms instead of 26 ms, flat from 1 to 9 rows);
+    - bfloat16 on a CPU with AMX: verispec's own kernel (kernels.cpp), weights packed once into
+      AMX tile order (a SmolLM2 step's GEMMs: 13.6 ms, flat from 1 to 16 rows);
+    - bfloat16 on other CPUs: prepacked once into oneDNN's blocked layout (18 ms instead of
+      26 ms, flat from 1 to 9 rows);
     - int8 weights, one float scale per output channel, bfloat16 activations (`int8=True`):
       half the bytes to stream; the kernel goes row by row, so it pays for 1-row steps and
       loses for wide verification passes;
@@ -91,7 +94,16 @@ class Linear:
                  int8: bool = False) -> None:
         self.out_features = weight.shape[0]
         self.weight, self.bias, self.packed, self.scales = weight, bias, None, None
-        if int8:
+        self.tiles = None  # [ceil(N/32), K/2, 32, 2]: the AMX kernel's layout
+        self.kernels = None
+        if not int8 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
+                and weight.shape[1] % 32 == 0:
+            self.kernels = kernels.load()
+        if self.kernels is not None:
+            self.tiles = self.kernels.pack(weight)
+            self.bias = torch.empty(0) if bias is None else bias.float().contiguous()
+            self.weight = None
+        elif int8:
             if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
                 raise ValueError("int8 weights need bfloat16 activations on the CPU")
             scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
@@ -106,6 +118,8 @@ class Linear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:
+            return self.kernels.linear(x, self.tiles, self.bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.scales is not None:
@@ -197,6 +211,20 @@ class NativeLlama:
         group = shape.num_heads // shape.num_kv_heads
         self.grouped_queries = _rows_are_independent(self.dtype, self.device, shape.head_dim,
                                                      group)
+        self.fused = self._fused_weights()
+
+    def _fused_weights(self) -> list[torch.Tensor] | None:
+        """The layers' tensors in kernels.forward_layers' order, where every linear layer runs
+        on the AMX kernel; None otherwise (the PyTorch loop runs)."""
+        linears = [lin for layer in self.layers
+                   for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        if not self.layers or any(lin.tiles is None for lin in linears) \
+                or self.shape.head_dim > 256:
+            return None
+        self.kernels = self.layers[0].qkv.kernels  # the module the weights were packed for
+        return [tensor.contiguous() for layer in self.layers for tensor in (
+            layer.attn_norm, layer.qkv.tiles, layer.qkv.bias, layer.out.tiles, layer.mlp_norm,
+            layer.gate_up.tiles, layer.down.tiles)]
 
     def new_cache(self) -> KVCache:
         return KVCache(self.shape, self.dtype, self.device)
@@ -236,7 +264,8 @@ class NativeLlama:
 
     def describe(self) -> str:
         int8 = " int8 weights" if self.lm_head.scales is not None else ""
-        return f"native {str(self.dtype).removeprefix('torch.')}{int8}"
+        fused = " (C++ AMX kernels)" if self.fused is not None else ""
+        return f"native {str(self.dtype).removeprefix('torch.')}{int8}{fused}"
 
     def forward(self, ids: torch.Tensor, start: int, num_logits: int, cache: KVCache
                 ) -> torch.Tensor:
@@ -252,18 +281,46 @@ class NativeLlama:
         Linear layers see all N = sum(T) positions as one matrix, whose rows do not depend on
         N; attention goes row by row over each row's own cache. So a row's logits are the same
         bits alone or in any batch (tests/test_batch.py)."""
-        shape = self.shape
         lengths = [int(row.ids.numel()) for row in rows]
         for row, length in zip(rows, lengths, strict=True):
             row.cache.reserve(row.start + length)
+        if inputs is None:
+            inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
+        x = inputs  # [N, H]
+        if self.fused is not None:
+            x = self._fused_layers(rows, lengths, x)
+        else:
+            x = self._torch_layers(rows, lengths, x)
+        # 4. The head, only for the positions whose logits are wanted.
+        ends = list(itertools.accumulate(lengths))
+        for row, length, end in zip(rows, lengths, ends, strict=True):
+            row.cache.features[row.start:row.start + length] = x[end - length:end]
+        wanted = torch.cat([torch.arange(end - row.num_logits, end)
+                            for row, end in zip(rows, ends, strict=True)])
+        logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
+        return list(logits.split([row.num_logits for row in rows]))
+
+    def _fused_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor
+                      ) -> torch.Tensor:
+        """Every decoder layer in one C++ call (kernels.cpp): x [N, H] -> [N, H]."""
+        shape = self.shape
+        x = x.contiguous().clone()  # updated in place
+        self.kernels.forward_layers(
+            x, self.fused, self.cos, self.sin, [row.cache.keys for row in rows],
+            [row.cache.values for row in rows], [row.start for row in rows], lengths,
+            [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+             shape.intermediate_size], shape.rms_norm_eps)
+        return x
+
+    def _torch_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor
+                      ) -> torch.Tensor:
+        """The decoder layers in PyTorch ops: x [N, H] -> [N, H]."""
+        shape = self.shape
+        total = x.shape[0]
         positions = torch.cat([torch.arange(row.start, row.start + length)
                                for row, length in zip(rows, lengths, strict=True)])
         cos, sin = self.cos[positions], self.sin[positions]  # [N, d]
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-        if inputs is None:
-            inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
-        x = inputs  # [N, H]
-        total = x.shape[0]
         plans = [self._plan(row.start, length) for row, length in zip(rows, lengths, strict=True)]
         for index, layer in enumerate(self.layers):
             # 1. Fused q/k/v for every position, rotary positions on q and k at once.
@@ -285,14 +342,7 @@ class NativeLlama:
             # 3. SwiGLU MLP.
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        # 4. The head, only for the positions whose logits are wanted.
-        ends = list(itertools.accumulate(lengths))
-        for row, length, end in zip(rows, lengths, ends, strict=True):
-            row.cache.features[row.start:row.start + length] = x[end - length:end]
-        wanted = torch.cat([torch.arange(end - row.num_logits, end)
-                            for row, end in zip(rows, ends, strict=True)])
-        logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
-        return list(logits.split([row.num_logits for row in rows]))
+        return x
 
     def _plan(self, start: int, length: int) -> list[QueryGroup] | None:
         """How a short pass's queries attend (see the module docstring): the groups of queries

@@ -1,0 +1,113 @@
+"""verispec's C++ kernels (verispec/native/kernels.cpp): the AMX linear layer and the fused
+bfloat16 decoder forward agree with fp32 maths, transformers and the PyTorch path, and give a
+position the same bits in every pass shape. Skipped where the CPU has no AMX; the PyTorch path
+these fall back to keeps its own tests (forced on here with VERISPEC_KERNELS=0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.drafters import NgramDrafter
+from verispec.native import NativeCachedModel, NativeLlama, batched_logits
+from verispec.native import kernels as native_kernels
+
+IDS = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = native_kernels.load()
+    if module is None:
+        pytest.skip("verispec's C++ kernels do not run here (no AMX bf16, or no compiler)")
+    return module
+
+
+def tiny(kind: str):
+    """bf16 models whose sizes the kernels take: head_dim 16, a vocabulary that is not a
+    multiple of the kernel's 32-feature blocks."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.1)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False,
+                                             tie_word_embeddings=True))
+    return model.to(torch.bfloat16).eval()
+
+
+def test_linear_matches_fp32_and_a_row_does_not_depend_on_the_row_count(kernels):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(100, 96, generator=generator).bfloat16()  # 100: a padded last block
+    bias = torch.randn(100, generator=generator)
+    x = torch.randn(40, 96, generator=generator).bfloat16()  # 40 rows: three 16-row tiles
+    tiles = kernels.pack(weight)
+    y = kernels.linear(x, tiles, bias, 100)
+    reference = x.float() @ weight.float().T + bias
+    # fp32 accumulation, one rounding to bf16: within half a bf16 ulp of the exact value.
+    assert ((y.float() - reference).abs() <= reference.abs() * 2 ** -8 + 1e-3).all()
+    for first, last in [(0, 1), (5, 6), (3, 20), (17, 40), (0, 16), (39, 40)]:
+        assert torch.equal(kernels.linear(x[first:last], tiles, bias, 100), y[first:last])
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.pack(torch.zeros(8, 40, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"], ids=["llama-gqa", "qwen2-bias-tied"])
+def test_fused_forward_matches_transformers_and_the_torch_path(kind, kernels, monkeypatch):
+    model = tiny(kind)
+    fused = NativeLlama.from_hf(model)
+    assert fused.fused is not None and fused.describe().endswith("(C++ AMX kernels)")
+    monkeypatch.setenv("VERISPEC_KERNELS", "0")
+    torch_path = NativeLlama.from_hf(model)
+    assert torch_path.fused is None
+    with torch.no_grad():
+        reference = model(IDS.unsqueeze(0)).logits[0].float()  # [90, V], transformers in bf16
+    got = {}
+    for name, native in (("fused", fused), ("torch", torch_path)):
+        cache = native.new_cache()
+        got[name] = torch.cat([native.forward(IDS[:80], 0, 80, cache),
+                               native.forward(IDS[80:], 80, 10, cache)])
+    scale = reference.abs().max()
+    # bf16 runs round at every op, in different orders: the same tolerance for both paths.
+    for name in ("fused", "torch"):
+        assert (got[name] - reference).abs().max() < 0.02 * scale, name
+        assert (got[name].argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95, name
+
+
+def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels):
+    native = NativeLlama.from_hf(tiny("llama"))
+    prompt_pass = NativeCachedModel(native)
+    everything = prompt_pass.logits(IDS, 90)  # one 90-position pass
+    steps = NativeCachedModel(native)
+    one_by_one = torch.cat([steps.logits(IDS[:n], 1) for n in range(1, 91)])
+    assert torch.equal(everything, one_by_one)  # even a prompt pass equals 1-position steps
+    # Rows of different lengths and positions in one pass, each as alone.
+    rows = [NativeCachedModel(native) for _ in range(3)]
+    for runner, length in zip(rows, (30, 50, 70), strict=True):
+        runner.logits(IDS[:length], 1)
+    together = batched_logits(rows, [IDS[:35], IDS[:51], IDS[:86]], [5, 1, 16])
+    assert torch.equal(together[0], everything[30:35])
+    assert torch.equal(together[1], everything[50:51])
+    assert torch.equal(together[2], everything[70:86])
+
+
+def test_the_torch_path_keeps_speculative_greedy_exact_in_bf16(tokenizer, monkeypatch):
+    """With the kernels off (VERISPEC_KERNELS=0, or a CPU without AMX) the PyTorch path runs,
+    and speculative greedy still equals plain greedy."""
+    monkeypatch.setenv("VERISPEC_KERNELS", "0")
+    model = tiny_llama(len(tokenizer), seed=8, dtype=torch.float32)
+    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    assert runner.describe() == "native bfloat16"
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime=runner)
+    spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=4, runtime=runner)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = ["the cat sat on the mat and the cat sat on the hat " * 3, "abcabcabc"]
+    for prompt in prompts:
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+    assert [o.token_ids for o in spec.generate(prompts, params)] == \
+        [plain.generate(p, params).token_ids for p in prompts]

@@ -1,0 +1,387 @@
+// verispec's CPU kernels: a bfloat16 decoder forward for Llama-family models on CPUs with AMX.
+//
+// Why: on a 2-core CPU a SmolLM2-135M decode step in eager PyTorch spends ~15 ms in per-op
+// overhead (~20 small ops a layer) and calls oneDNN 121 times at ~50 us of fixed cost each;
+// here a whole pass is one call.
+//
+// Batch invariance by construction: every output element is computed by one thread in an order
+// that depends only on its own inputs, never on how many positions or rows the pass holds.
+//   - linear: AMX tiles of up to 16 rows; a row's dot products run over K in the same tile
+//     order whatever the other rows are (rows of a tile do not interact);
+//   - attention: one query at a time over exactly its own keys 0..p, fp32 scores and sums;
+//   - norms, rotary, SwiGLU: elementwise or per row.
+// So a position's logits are the same bits in a pass of 1, K+1 or many positions and rows
+// (tests/test_native.py checks it), and speculative greedy equals plain greedy.
+//
+// Rounding mirrors transformers' bfloat16 modules: every op's output is rounded to bfloat16,
+// accumulations run in fp32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+constexpr int64_t BLOCK = 32;  // output features per packed weight block (two AMX C tiles)
+constexpr int64_t TILE_K = 32;  // bf16 values of K per AMX tile row
+constexpr int64_t TILE_M = 16;  // rows per AMX tile
+
+inline float f32(bf16 v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+inline bf16 round_bf16(float v) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return bf16(bits >> 16);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Linear: y [M, N] = x [M, K] W^T (+ bias) (+ residual), W packed as [ceil(N/32), K/2, 32, 2]
+// (pairs of K for 32 output features: the layout an AMX B tile reads).
+
+struct Weight {
+  const bf16* packed;
+  const float* bias;  // [N] or null
+  int64_t n, k;
+};
+
+Weight weight_of(const torch::Tensor& packed, const torch::Tensor& bias, int64_t n) {
+  return {reinterpret_cast<const bf16*>(packed.data_ptr()),
+          bias.numel() ? bias.data_ptr<float>() : nullptr, n, packed.size(1) * 2};
+}
+
+// out [rows, 32] fp32 = x [rows, K] (row stride K) times one packed block [K/2, 32, 2].
+__attribute__((target("amx-tile,amx-bf16"))) void block_product(
+    const bf16* x, int64_t rows, int64_t k, const bf16* block, float* out) {
+  TileConfig config;
+  for (int tile = 0; tile < 3; tile++) {  // 0, 1: C; 2: A (rows x 32 of K)
+    config.rows[tile] = uint8_t(rows);
+    config.colsb[tile] = 64;
+  }
+  for (int tile = 3; tile < 5; tile++) {  // 3, 4: B (16 pairs of K x 16 features)
+    config.rows[tile] = 16;
+    config.colsb[tile] = 64;
+  }
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t kb = 0; kb < k / TILE_K; kb++) {
+    const bf16* b = block + kb * (TILE_K / 2) * BLOCK * 2;
+    _tile_loadd(2, x + kb * TILE_K, k * 2);
+    _tile_loadd(3, b, BLOCK * 4);
+    _tile_loadd(4, b + 32, BLOCK * 4);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, out, BLOCK * 4);
+  _tile_stored(1, out + 16, BLOCK * 4);
+  _tile_release();
+}
+
+// y = round(x W^T + bias); with residual: y = round(residual + round(x W^T + bias)) (residual
+// may be y itself: each element is read and written by the thread that owns its block).
+void linear_into(const bf16* x, int64_t m, const Weight& w, bf16* y, const bf16* residual) {
+  const int64_t blocks = (w.n + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float out[TILE_M * BLOCK];
+    for (int64_t block = first; block < last; block++) {
+      const int64_t col = block * BLOCK, width = std::min(BLOCK, w.n - col);
+      for (int64_t row = 0; row < m; row += TILE_M) {
+        const int64_t rows = std::min(TILE_M, m - row);
+        block_product(x + row * w.k, rows, w.k, w.packed + block * w.k * BLOCK, out);
+        for (int64_t i = 0; i < rows; i++) {
+          bf16* dst = y + (row + i) * w.n + col;
+          const bf16* res = residual ? residual + (row + i) * w.n + col : nullptr;
+          for (int64_t j = 0; j < width; j++) {
+            float v = out[i * BLOCK + j] + (w.bias ? w.bias[col + j] : 0.0f);
+            dst[j] = res ? round_bf16(f32(res[j]) + f32(round_bf16(v))) : round_bf16(v);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise pieces.
+
+// transformers' LlamaRMSNorm in bfloat16: weight * bf16(x * rsqrt(mean(x^2) + eps)).
+void rms_norm(const bf16* x, int64_t m, int64_t h, const bf16* weight, float eps, bf16* out) {
+  at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; row++) {
+      const bf16* in = x + row * h;
+      float squares = 0.0f;
+      for (int64_t i = 0; i < h; i++) squares += f32(in[i]) * f32(in[i]);
+      const float scale = 1.0f / std::sqrt(squares / float(h) + eps);
+      for (int64_t i = 0; i < h; i++)
+        out[row * h + i] = round_bf16(f32(weight[i]) * f32(round_bf16(f32(in[i]) * scale)));
+    }
+  });
+}
+
+// Rotary embedding in place on `heads` heads of width d: x * cos + rotate_half(x) * sin, each
+// product rounded as transformers does; cos/sin rows [d] with the sign folded into sin.
+void rotate(bf16* x, int64_t heads, int64_t d, const bf16* cos, const bf16* sin) {
+  std::vector<float> head(d);
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; h++) {
+    bf16* v = x + h * d;
+    for (int64_t i = 0; i < d; i++) head[i] = f32(v[i]);
+    for (int64_t i = 0; i < d; i++) {
+      const float swapped = head[i < half ? i + half : i - half];
+      v[i] = round_bf16(f32(round_bf16(head[i] * f32(cos[i]))) +
+                        f32(round_bf16(swapped * f32(sin[i]))));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention: one query over keys 0..count-1 of one KV head, fp32 throughout.
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 load_bf16(
+    const bf16* p, __mmask16 mask) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, p));
+}
+
+__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // e^x, |rel err| < 2e-7
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                 _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // 2^f, f in [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t MAX_HEAD_DIM = 256;
+
+// out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d].
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
+    const bf16* q, const bf16* keys, const bf16* values, int64_t count, int64_t d, float scale,
+    float* scores, bf16* out) {
+  const int64_t chunks = (d + 15) / 16;
+  __m512 query[MAX_HEAD_DIM / 16];
+  __mmask16 masks[MAX_HEAD_DIM / 16];
+  for (int64_t c = 0; c < chunks; c++) {
+    masks[c] = __mmask16((1u << std::min<int64_t>(16, d - 16 * c)) - 1u);
+    query[c] = load_bf16(q + 16 * c, masks[c]);
+  }
+  // 1. Scores, and their maximum.
+  float top = -INFINITY;
+  for (int64_t j = 0; j < count; j++) {
+    const bf16* key = keys + j * d;
+    __m512 sum = _mm512_mul_ps(query[0], load_bf16(key, masks[0]));
+    for (int64_t c = 1; c < chunks; c++)
+      sum = _mm512_fmadd_ps(query[c], load_bf16(key + 16 * c, masks[c]), sum);
+    scores[j] = _mm512_reduce_add_ps(sum) * scale;
+    top = std::max(top, scores[j]);
+  }
+  // 2. Exponentials (in place) and their sum, 16 lanes then a fixed tree.
+  __m512 total = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(top);
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, count - j)) - 1u);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), shift));
+    e = _mm512_maskz_mov_ps(mask, e);
+    _mm512_mask_storeu_ps(scores + j, mask, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const float norm = 1.0f / _mm512_reduce_add_ps(total);
+  // 3. The weighted sum of values.
+  __m512 acc[MAX_HEAD_DIM / 16];
+  for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j++) {
+    const __m512 weight = _mm512_set1_ps(scores[j]);
+    const bf16* value = values + j * d;
+    for (int64_t c = 0; c < chunks; c++)
+      acc[c] = _mm512_fmadd_ps(weight, load_bf16(value + 16 * c, masks[c]), acc[c]);
+  }
+  alignas(64) float result[MAX_HEAD_DIM];
+  for (int64_t c = 0; c < chunks; c++)
+    _mm512_store_ps(result + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(norm)));
+  for (int64_t i = 0; i < d; i++) out[i] = round_bf16(result[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct Shape {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate;
+  float eps;
+};
+
+struct Row {
+  bf16* keys;    // this row's cache [layers, kv_heads, capacity, d]
+  bf16* values;
+  int64_t capacity, start, length, offset;  // new positions start..start+length-1 at x[offset..]
+};
+
+// The decoder layers over every row's new positions; x [N, H] is updated in place, and each
+// row's keys and values at its new positions are written into its cache.
+void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
+                    const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<torch::Tensor>& keys,
+                    const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                    const std::vector<int64_t>& lengths, std::vector<int64_t> sizes, double eps) {
+  const Shape shape{sizes.at(0), sizes.at(1), sizes.at(2), sizes.at(3), sizes.at(4), float(eps)};
+  const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim;
+  const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  TORCH_CHECK(d <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  TORCH_CHECK(layers.size() % 7 == 0, "7 tensors a layer");
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == h);
+
+  std::vector<Row> rows;
+  std::vector<int64_t> positions;  // [N]: each new position's index in its sequence
+  std::vector<int64_t> owner;      // [N]: its row
+  int64_t offset = 0;
+  for (size_t r = 0; r < starts.size(); r++) {
+    TORCH_CHECK(keys[r].is_contiguous() && values[r].is_contiguous());
+    rows.push_back({reinterpret_cast<bf16*>(keys[r].data_ptr()),
+                    reinterpret_cast<bf16*>(values[r].data_ptr()), keys[r].size(2), starts[r],
+                    lengths[r], offset});
+    TORCH_CHECK(starts[r] + lengths[r] <= keys[r].size(2), "cache too short");
+    for (int64_t t = 0; t < lengths[r]; t++) {
+      positions.push_back(starts[r] + t);
+      owner.push_back(int64_t(r));
+    }
+    offset += lengths[r];
+  }
+  TORCH_CHECK(offset == n, "rows hold ", offset, " positions, x ", n);
+
+  auto options = x.options();
+  bf16* hidden = reinterpret_cast<bf16*>(x.data_ptr());
+  auto normed_t = torch::empty({n, h}, options);
+  auto qkv_t = torch::empty({n, qkv_width}, options);
+  auto attended_t = torch::empty({n, q_width}, options);
+  auto gate_up_t = torch::empty({n, 2 * shape.intermediate}, options);
+  auto act_t = torch::empty({n, shape.intermediate}, options);
+  bf16* normed = reinterpret_cast<bf16*>(normed_t.data_ptr());
+  bf16* qkv = reinterpret_cast<bf16*>(qkv_t.data_ptr());
+  bf16* attended = reinterpret_cast<bf16*>(attended_t.data_ptr());
+  bf16* gate_up = reinterpret_cast<bf16*>(gate_up_t.data_ptr());
+  bf16* act = reinterpret_cast<bf16*>(act_t.data_ptr());
+  const bf16* cos_table = reinterpret_cast<const bf16*>(cos.data_ptr());
+  const bf16* sin_table = reinterpret_cast<const bf16*>(sin.data_ptr());
+  const int64_t group = shape.heads / shape.kv_heads;
+  const float scale = 1.0f / std::sqrt(float(d));
+  int64_t longest = 0;
+  for (int64_t p : positions) longest = std::max(longest, p + 1);
+
+  for (size_t layer = 0; layer * 7 < layers.size(); layer++) {
+    // attn_norm, qkv packed, qkv bias (fp32, or empty), out packed, mlp_norm, gate_up packed,
+    // down packed
+    const torch::Tensor* w = &layers[layer * 7];
+    const bf16* attn_norm = reinterpret_cast<const bf16*>(w[0].data_ptr());
+    const bf16* mlp_norm = reinterpret_cast<const bf16*>(w[4].data_ptr());
+    const torch::Tensor none;
+    // 1. Norm, fused q/k/v, rotary on q and k.
+    rms_norm(hidden, n, h, attn_norm, shape.eps, normed);
+    linear_into(normed, n, weight_of(w[1], w[2], qkv_width), qkv, nullptr);
+    at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; i++)
+        rotate(qkv + i * qkv_width, shape.heads + shape.kv_heads, d,
+               cos_table + positions[i] * d, sin_table + positions[i] * d);
+    });
+    // 2. Keys and values into each row's cache.
+    for (const Row& row : rows) {
+      for (int64_t t = 0; t < row.length; t++) {
+        const bf16* src = qkv + (row.offset + t) * qkv_width + q_width;
+        for (int64_t g = 0; g < shape.kv_heads; g++) {
+          const int64_t at = ((int64_t(layer) * shape.kv_heads + g) * row.capacity +
+                              row.start + t) * d;
+          std::memcpy(row.keys + at, src + g * d, d * 2);
+          std::memcpy(row.values + at, src + kv_width + g * d, d * 2);
+        }
+      }
+    }
+    // 3. Attention, one (position, head) per task, each over exactly its own keys.
+    at::parallel_for(0, n * shape.heads, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> scores(longest + 16);
+      for (int64_t task = first; task < last; task++) {
+        const int64_t i = task / shape.heads, head = task % shape.heads;
+        const Row& row = rows[owner[i]];
+        const int64_t base = (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
+        attend_one(qkv + i * qkv_width + head * d, row.keys + base, row.values + base,
+                   positions[i] + 1, d, scale, scores.data(), attended + i * q_width + head * d);
+      }
+    });
+    // 4. Output projection onto the residual stream.
+    linear_into(attended, n, weight_of(w[3], none, h), hidden, hidden);
+    // 5. SwiGLU MLP onto the residual stream.
+    rms_norm(hidden, n, h, mlp_norm, shape.eps, normed);
+    linear_into(normed, n, weight_of(w[5], none, 2 * shape.intermediate), gate_up, nullptr);
+    const int64_t inter = shape.intermediate;
+    at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; i++) {
+        for (int64_t j = 0; j < inter; j++) {
+          const float gate = f32(gate_up[i * 2 * inter + j]);
+          const float silu = f32(round_bf16(gate / (1.0f + std::exp(-gate))));
+          act[i * inter + j] = round_bf16(silu * f32(gate_up[i * 2 * inter + inter + j]));
+        }
+      }
+    });
+    linear_into(act, n, weight_of(w[6], none, h), hidden, hidden);
+  }
+}
+
+torch::Tensor pack(const torch::Tensor& weight) {  // [N, K] bf16 -> [ceil(N/32), K/2, 32, 2]
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % TILE_K == 0, "in_features must be a multiple of ", TILE_K);
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  auto padded = torch::zeros({blocks * BLOCK, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({blocks, BLOCK, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
+                     const torch::Tensor& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16);
+  auto input = x.contiguous();
+  TORCH_CHECK(input.size(1) == packed.size(1) * 2, "in_features mismatch");
+  auto y = torch::empty({input.size(0), n}, input.options());
+  linear_into(reinterpret_cast<const bf16*>(input.data_ptr()), input.size(0),
+              weight_of(packed, bias, n), reinterpret_cast<bf16*>(y.data_ptr()), nullptr);
+  return y;
+}
+
+bool enable_amx() {  // does this CPU have AMX bf16, and may this process use its tiles?
+  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("enable_amx", &enable_amx);
+  m.def("pack", &pack);
+  m.def("linear", &linear);
+  m.def("forward_layers", &forward_layers);
+}

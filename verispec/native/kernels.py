@@ -1,0 +1,77 @@
+"""verispec's C++ CPU kernels (kernels.cpp): AMX bfloat16 linear layers and a whole decoder
+forward in one call. Built with the system compiler on first use (~40 s, once per machine and
+torch version, cached under ~/.cache/verispec/kernels) and used only where they can run: a CPU
+with AMX and AVX512-BF16, bfloat16 weights. Everywhere else the runtime stays in PyTorch.
+
+VERISPEC_KERNELS=0 turns them off (the PyTorch path, for comparison)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("verispec")
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("VERISPEC_KERNELS", "1") != "0"
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags and " avx512_bf16" in flags
+
+
+def _build_directory() -> Path:
+    root = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+    folder = root / "kernels" / f"torch-{torch.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels, or None where they cannot run here (said once in the log)."""
+    if not enabled():
+        return None
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        _state["module"] = module = _build()
+        return module
+
+
+def _build() -> ModuleType | None:
+    if not _cpu_has_amx():
+        log.info("native runtime: this CPU has no AMX bf16; the PyTorch path runs")
+        return None
+    from torch.utils import cpp_extension
+
+    began = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name="verispec_kernels", sources=[str(SOURCE)], build_directory=str(_build_directory()),
+            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-lgomp"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, a failed build: the PyTorch path runs
+        log.warning("native runtime: could not build the C++ kernels (%s); the PyTorch path runs",
+                    str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
+        return None
+    if not module.enable_amx():
+        log.warning("native runtime: the OS refused AMX tiles; the PyTorch path runs")
+        return None
+    seconds = time.perf_counter() - began
+    if seconds > 2:
+        log.info("native runtime: built the C++ kernels in %.0f s (cached for next time)", seconds)
+    return module
