@@ -47,12 +47,23 @@ def test_linear_matches_fp32_and_a_row_does_not_depend_on_the_row_count(kernels)
     bias = torch.randn(100, generator=generator)
     x = torch.randn(40, 96, generator=generator).bfloat16()  # 40 rows: three 16-row tiles
     tiles = kernels.pack(weight)
-    y = kernels.linear(x, tiles, bias, 100)
+    none = torch.empty(0)
+    y = kernels.linear(x, tiles, bias, none, 100)
     reference = x.float() @ weight.float().T + bias
     # fp32 accumulation, one rounding to bf16: within half a bf16 ulp of the exact value.
     assert ((y.float() - reference).abs() <= reference.abs() * 2 ** -8 + 1e-3).all()
     for first, last in [(0, 1), (5, 6), (3, 20), (17, 40), (0, 16), (39, 40)]:
-        assert torch.equal(kernels.linear(x[first:last], tiles, bias, 100), y[first:last])
+        assert torch.equal(kernels.linear(x[first:last], tiles, bias, none, 100),
+                           y[first:last])
+    # int8 weights: the same product over the dequantized weights, also row-count free.
+    scales = weight.float().abs().amax(dim=1) / 127
+    quantized = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    y8 = kernels.linear(x, kernels.pack(quantized), bias, scales, 100)
+    reference = x.float() @ (quantized.float() * scales[:, None]).T + bias
+    assert ((y8.float() - reference).abs() <= reference.abs() * 2 ** -8 + 1e-3).all()
+    for first, last in [(0, 1), (3, 20), (17, 40)]:
+        assert torch.equal(kernels.linear(x[first:last], kernels.pack(quantized), bias, scales,
+                                          100), y8[first:last])
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.pack(torch.zeros(8, 40, dtype=torch.bfloat16))
 
@@ -81,19 +92,26 @@ def test_fused_forward_matches_transformers_and_the_torch_path(kind, kernels, mo
 
 def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels):
     native = NativeLlama.from_hf(tiny("llama"))
-    prompt_pass = NativeCachedModel(native)
-    everything = prompt_pass.logits(IDS, 90)  # one 90-position pass
     steps = NativeCachedModel(native)
-    one_by_one = torch.cat([steps.logits(IDS[:n], 1) for n in range(1, 91)])
-    assert torch.equal(everything, one_by_one)  # even a prompt pass equals 1-position steps
-    # Rows of different lengths and positions in one pass, each as alone.
+    steps.logits(IDS[:40], 1)  # a prompt pass (its own rounding: prompts run alone)
+    one_by_one = torch.cat([steps.logits(IDS[:n], 1) for n in range(41, 91)])  # [50, V]
+    # Passes of 5 and 16 positions give the same bits.
+    wide = NativeCachedModel(native)
+    wide.logits(IDS[:40], 1)
+    in_passes = torch.cat([wide.logits(IDS[:n], 5 if n <= 60 else 15)
+                           for n in (45, 50, 55, 60, 75, 90)])
+    assert torch.equal(in_passes, one_by_one)
+    # Rows of different lengths and positions in one pass, each as alone, next to a prompt.
     rows = [NativeCachedModel(native) for _ in range(3)]
-    for runner, length in zip(rows, (30, 50, 70), strict=True):
-        runner.logits(IDS[:length], 1)
-    together = batched_logits(rows, [IDS[:35], IDS[:51], IDS[:86]], [5, 1, 16])
-    assert torch.equal(together[0], everything[30:35])
-    assert torch.equal(together[1], everything[50:51])
-    assert torch.equal(together[2], everything[70:86])
+    for runner in rows[:2]:
+        runner.logits(IDS[:40], 1)
+    rows[0].logits(IDS[:56], 16)
+    rows[0].logits(IDS[:60], 4)
+    together = batched_logits(rows, [IDS[:65], IDS[:56], IDS[:30]], [5, 16, 1])
+    assert torch.equal(together[0], one_by_one[20:25])  # positions 60..64
+    assert torch.equal(together[1], one_by_one[:16])
+    alone = NativeCachedModel(native)
+    assert torch.equal(together[2], alone.logits(IDS[:30], 1))
 
 
 def test_the_torch_path_keeps_speculative_greedy_exact_in_bf16(tokenizer, monkeypatch):

@@ -99,7 +99,7 @@ def test_int8_weights_stay_close_to_bf16_and_are_batch_invariant():
     model = tiny_llama(64, seed=4, init=0.05, dtype=torch.float32)
     bf16 = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
     int8 = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16, int8=True))
-    assert int8.describe() == "native bfloat16 int8 weights"
+    assert int8.describe().startswith("native bfloat16 int8 weights")
     reference, quantized = bf16.logits(IDS, 20), int8.logits(IDS, 20)
     assert (reference - quantized).abs().max() < 0.05 * reference.abs().max()
     assert (reference.argmax(-1) == quantized.argmax(-1)).float().mean() >= 0.9

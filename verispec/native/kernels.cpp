@@ -59,22 +59,28 @@ struct alignas(64) TileConfig {
 
 // ---------------------------------------------------------------------------------------------
 // Linear: y [M, N] = x [M, K] W^T (+ bias) (+ residual), W packed as [ceil(N/32), K/2, 32, 2]
-// (pairs of K for 32 output features: the layout an AMX B tile reads).
+// (pairs of K for 32 output features: the layout an AMX B tile reads). W is bfloat16, or int8
+// with one fp32 scale per output feature (W = scale * int8): an int8 block is widened to
+// bfloat16 (exactly: |q| <= 127) one tile at a time in L1, so memory streams half the bytes
+// and the tiles multiply exactly what they would for bfloat16 weights.
 
 struct Weight {
-  const bf16* packed;
-  const float* bias;  // [N] or null
+  const void* packed;
+  const float* bias;    // [N] or null
+  const float* scales;  // [N] for int8 weights, else null
   int64_t n, k;
 };
 
-Weight weight_of(const torch::Tensor& packed, const torch::Tensor& bias, int64_t n) {
-  return {reinterpret_cast<const bf16*>(packed.data_ptr()),
-          bias.numel() ? bias.data_ptr<float>() : nullptr, n, packed.size(1) * 2};
+Weight weight_of(const torch::Tensor& packed, const torch::Tensor& bias,
+                 const torch::Tensor& scales, int64_t n) {
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "weights: bfloat16 or int8");
+  TORCH_CHECK(!int8 || scales.numel() >= n, "int8 weights need a scale per output feature");
+  return {packed.data_ptr(), bias.numel() ? bias.data_ptr<float>() : nullptr,
+          int8 ? scales.data_ptr<float>() : nullptr, n, packed.size(1) * 2};
 }
 
-// out [rows, 32] fp32 = x [rows, K] (row stride K) times one packed block [K/2, 32, 2].
-__attribute__((target("amx-tile,amx-bf16"))) void block_product(
-    const bf16* x, int64_t rows, int64_t k, const bf16* block, float* out) {
+__attribute__((target("amx-tile,amx-bf16"))) void configure_tiles(int64_t rows) {
   TileConfig config;
   for (int tile = 0; tile < 3; tile++) {  // 0, 1: C; 2: A (rows x 32 of K)
     config.rows[tile] = uint8_t(rows);
@@ -85,10 +91,35 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_product(
     config.colsb[tile] = 64;
   }
   _tile_loadconfig(&config);
+}
+
+// One K tile of B, int8 -> bfloat16: 16 pairs of K x 32 features x 2.
+__attribute__((target("avx512f,avx512bf16"))) inline void widen_tile(const int8_t* in,
+                                                                      bf16* out) {
+  for (int64_t i = 0; i < (TILE_K / 2) * BLOCK * 2; i += 32) {
+    const __m512 low = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    const __m512 high = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i + 16))));
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+}
+
+// out [rows, 32] fp32 = x [rows, K] (row stride K) times one packed block [K/2, 32, 2]
+// (unscaled for int8 weights).
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void block_product(
+    const bf16* x, int64_t rows, int64_t k, const void* block, bool int8, float* out) {
+  alignas(64) bf16 widened[(TILE_K / 2) * BLOCK * 2];
+  configure_tiles(rows);
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t kb = 0; kb < k / TILE_K; kb++) {
-    const bf16* b = block + kb * (TILE_K / 2) * BLOCK * 2;
+    const int64_t at = kb * (TILE_K / 2) * BLOCK * 2;
+    const bf16* b = static_cast<const bf16*>(block) + at;
+    if (int8) {
+      widen_tile(static_cast<const int8_t*>(block) + at, widened);
+      b = widened;
+    }
     _tile_loadd(2, x + kb * TILE_K, k * 2);
     _tile_loadd(3, b, BLOCK * 4);
     _tile_loadd(4, b + 32, BLOCK * 4);
@@ -98,6 +129,29 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_product(
   _tile_stored(0, out, BLOCK * 4);
   _tile_stored(1, out + 16, BLOCK * 4);
   _tile_release();
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 load_bf16(
+    const bf16* p, __mmask16 mask) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// dst [width] = round(out * scale + bias), or round(res + round(out * scale + bias)).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_row(
+    const float* out, int64_t width, const Weight& w, int64_t col, bf16* dst, const bf16* res) {
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, width - j)) - 1u);
+    __m512 v = _mm512_loadu_ps(out + j);
+    if (w.scales) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, w.scales + col + j));
+    if (w.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, w.bias + col + j));
+    __m256bh rounded = _mm512_cvtneps_pbh(v);
+    if (res) {
+      const __m512 sum = _mm512_add_ps(_mm512_cvtpbh_ps(rounded),
+                                       load_bf16(res + j, mask));
+      rounded = _mm512_cvtneps_pbh(sum);
+    }
+    _mm256_mask_storeu_epi16(dst + j, mask, (__m256i)rounded);
+  }
 }
 
 // y = round(x W^T + bias); with residual: y = round(residual + round(x W^T + bias)) (residual
@@ -110,15 +164,13 @@ void linear_into(const bf16* x, int64_t m, const Weight& w, bf16* y, const bf16*
       const int64_t col = block * BLOCK, width = std::min(BLOCK, w.n - col);
       for (int64_t row = 0; row < m; row += TILE_M) {
         const int64_t rows = std::min(TILE_M, m - row);
-        block_product(x + row * w.k, rows, w.k, w.packed + block * w.k * BLOCK, out);
-        for (int64_t i = 0; i < rows; i++) {
-          bf16* dst = y + (row + i) * w.n + col;
-          const bf16* res = residual ? residual + (row + i) * w.n + col : nullptr;
-          for (int64_t j = 0; j < width; j++) {
-            float v = out[i * BLOCK + j] + (w.bias ? w.bias[col + j] : 0.0f);
-            dst[j] = res ? round_bf16(f32(res[j]) + f32(round_bf16(v))) : round_bf16(v);
-          }
-        }
+        const int64_t element = w.scales ? 1 : 2;  // bytes per weight
+        block_product(x + row * w.k, rows, w.k,
+                      static_cast<const char*>(w.packed) + block * w.k * BLOCK * element,
+                      w.scales != nullptr, out);
+        for (int64_t i = 0; i < rows; i++)
+          store_row(out + i * BLOCK, width, w, col, y + (row + i) * w.n + col,
+                    residual ? residual + (row + i) * w.n + col : nullptr);
       }
     }
   });
@@ -160,10 +212,6 @@ void rotate(bf16* x, int64_t heads, int64_t d, const bf16* cos, const bf16* sin)
 // ---------------------------------------------------------------------------------------------
 // Attention: one query over keys 0..count-1 of one KV head, fp32 throughout.
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 load_bf16(
-    const bf16* p, __mmask16 mask) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, p));
-}
 
 __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // e^x, |rel err| < 2e-7
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
@@ -229,6 +277,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
   for (int64_t i = 0; i < d; i++) out[i] = round_bf16(result[i]);
 }
 
+// out [width] = round(round(silu(gate)) * up), gate and up the halves of in [2 width].
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void swiglu(
+    const bf16* in, int64_t width, bf16* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, width - j)) - 1u);
+    const __m512 gate = load_bf16(in + j, mask), up = load_bf16(in + width + j, mask);
+    const __m512 silu = _mm512_div_ps(
+        gate, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+    const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu));
+    _mm256_mask_storeu_epi16(out + j, mask, (__m256i)_mm512_cvtneps_pbh(
+                                                _mm512_mul_ps(rounded, up)));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 struct Shape {
@@ -242,19 +305,47 @@ struct Row {
   int64_t capacity, start, length, offset;  // new positions start..start+length-1 at x[offset..]
 };
 
+// A prompt pass's attention (queries offset..offset+length-1 of qkv [N, width]) with torch's
+// fused causal kernel, into attended [N, heads d]: O(T^2) work, which one query at a time would
+// do slowly; its rounding depends on T, which is why prompts run in passes of their own.
+void attend_prompt(const Row& row, size_t layer, const Shape& shape, const bf16* qkv,
+                   int64_t qkv_width, bf16* attended) {
+  const int64_t d = shape.head_dim, t = row.length, end = row.start + row.length;
+  const auto options = torch::TensorOptions().dtype(at::kBFloat16);
+  auto q = torch::from_blob(const_cast<bf16*>(qkv) + row.offset * qkv_width,
+                            {1, shape.heads, t, d}, {0, d, qkv_width, 1}, options);
+  const int64_t layer_at = int64_t(layer) * shape.kv_heads * row.capacity * d;
+  const std::vector<int64_t> kv_sizes{1, shape.kv_heads, end, d};
+  const std::vector<int64_t> kv_strides{0, row.capacity * d, d, 1};
+  const int64_t group = shape.heads / shape.kv_heads;
+  auto keys = torch::from_blob(row.keys + layer_at, kv_sizes, kv_strides, options)
+                  .repeat_interleave(group, 1);
+  auto values = torch::from_blob(row.values + layer_at, kv_sizes, kv_strides, options)
+                    .repeat_interleave(group, 1);
+  std::optional<at::Tensor> mask;
+  if (row.start > 0)
+    mask = torch::ones({t, end}, torch::TensorOptions().dtype(at::kBool)).tril(row.start);
+  auto out = at::scaled_dot_product_attention(q.contiguous(), keys, values, mask, 0.0,
+                                              row.start == 0);  // [1, heads, T, d]
+  auto into = torch::from_blob(attended + row.offset * shape.heads * d, {1, shape.heads, t, d},
+                               {0, d, shape.heads * d, 1}, options);
+  into.copy_(out);
+}
+
 // The decoder layers over every row's new positions; x [N, H] is updated in place, and each
 // row's keys and values at its new positions are written into its cache.
 void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                     const torch::Tensor& cos, const torch::Tensor& sin,
                     const std::vector<torch::Tensor>& keys,
                     const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
-                    const std::vector<int64_t>& lengths, std::vector<int64_t> sizes, double eps) {
+                    const std::vector<int64_t>& lengths, std::vector<int64_t> sizes, double eps,
+                    int64_t short_pass) {
   const Shape shape{sizes.at(0), sizes.at(1), sizes.at(2), sizes.at(3), sizes.at(4), float(eps)};
   const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim;
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
   const int64_t qkv_width = q_width + 2 * kv_width;
   TORCH_CHECK(d <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
-  TORCH_CHECK(layers.size() % 7 == 0, "7 tensors a layer");
+  TORCH_CHECK(layers.size() % 11 == 0, "11 tensors a layer");
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == h);
 
   std::vector<Row> rows;
@@ -293,17 +384,21 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   const float scale = 1.0f / std::sqrt(float(d));
   int64_t longest = 0;
   for (int64_t p : positions) longest = std::max(longest, p + 1);
+  std::vector<int64_t> short_queries;  // the positions of short passes
+  for (const Row& row : rows)
+    if (row.length <= short_pass)
+      for (int64_t t = 0; t < row.length; t++) short_queries.push_back(row.offset + t);
 
-  for (size_t layer = 0; layer * 7 < layers.size(); layer++) {
-    // attn_norm, qkv packed, qkv bias (fp32, or empty), out packed, mlp_norm, gate_up packed,
-    // down packed
-    const torch::Tensor* w = &layers[layer * 7];
+  for (size_t layer = 0; layer * 11 < layers.size(); layer++) {
+    // attn_norm, mlp_norm, qkv bias (fp32, or empty), then packed weights and their scales
+    // (empty for bfloat16) for qkv, out, gate_up, down
+    const torch::Tensor* w = &layers[layer * 11];
     const bf16* attn_norm = reinterpret_cast<const bf16*>(w[0].data_ptr());
-    const bf16* mlp_norm = reinterpret_cast<const bf16*>(w[4].data_ptr());
+    const bf16* mlp_norm = reinterpret_cast<const bf16*>(w[1].data_ptr());
     const torch::Tensor none;
     // 1. Norm, fused q/k/v, rotary on q and k.
     rms_norm(hidden, n, h, attn_norm, shape.eps, normed);
-    linear_into(normed, n, weight_of(w[1], w[2], qkv_width), qkv, nullptr);
+    linear_into(normed, n, weight_of(w[3], w[2], w[4], qkv_width), qkv, nullptr);
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; i++)
         rotate(qkv + i * qkv_width, shape.heads + shape.kv_heads, d,
@@ -321,38 +416,40 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
         }
       }
     }
-    // 3. Attention, one (position, head) per task, each over exactly its own keys.
-    at::parallel_for(0, n * shape.heads, 1, [&](int64_t first, int64_t last) {
+    // 3. Attention. Short passes (decode, verification): one (position, head) per task, each
+    // over exactly its own keys. Prompt passes: torch's fused causal kernel, row by row.
+    at::parallel_for(0, int64_t(short_queries.size()) * shape.heads, 1,
+                     [&](int64_t first, int64_t last) {
       std::vector<float> scores(longest + 16);
       for (int64_t task = first; task < last; task++) {
-        const int64_t i = task / shape.heads, head = task % shape.heads;
+        const int64_t i = short_queries[task / shape.heads], head = task % shape.heads;
         const Row& row = rows[owner[i]];
         const int64_t base = (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
         attend_one(qkv + i * qkv_width + head * d, row.keys + base, row.values + base,
                    positions[i] + 1, d, scale, scores.data(), attended + i * q_width + head * d);
       }
     });
+    for (const Row& row : rows)
+      if (row.length > short_pass) attend_prompt(row, layer, shape, qkv, qkv_width, attended);
     // 4. Output projection onto the residual stream.
-    linear_into(attended, n, weight_of(w[3], none, h), hidden, hidden);
+    linear_into(attended, n, weight_of(w[5], none, w[6], h), hidden, hidden);
     // 5. SwiGLU MLP onto the residual stream.
     rms_norm(hidden, n, h, mlp_norm, shape.eps, normed);
-    linear_into(normed, n, weight_of(w[5], none, 2 * shape.intermediate), gate_up, nullptr);
+    linear_into(normed, n, weight_of(w[7], none, w[8], 2 * shape.intermediate), gate_up,
+                nullptr);
     const int64_t inter = shape.intermediate;
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
-      for (int64_t i = first; i < last; i++) {
-        for (int64_t j = 0; j < inter; j++) {
-          const float gate = f32(gate_up[i * 2 * inter + j]);
-          const float silu = f32(round_bf16(gate / (1.0f + std::exp(-gate))));
-          act[i * inter + j] = round_bf16(silu * f32(gate_up[i * 2 * inter + inter + j]));
-        }
-      }
+      for (int64_t i = first; i < last; i++)
+        swiglu(gate_up + i * 2 * inter, inter, act + i * inter);
     });
-    linear_into(act, n, weight_of(w[6], none, h), hidden, hidden);
+    linear_into(act, n, weight_of(w[9], none, w[10], h), hidden, hidden);
   }
 }
 
-torch::Tensor pack(const torch::Tensor& weight) {  // [N, K] bf16 -> [ceil(N/32), K/2, 32, 2]
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16);
+// [N, K] bfloat16 or int8 -> [ceil(N/32), K/2, 32, 2], zero rows padding N.
+torch::Tensor pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 ||
+                                    weight.scalar_type() == at::kChar));
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(k % TILE_K == 0, "in_features must be a multiple of ", TILE_K);
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
@@ -362,13 +459,14 @@ torch::Tensor pack(const torch::Tensor& weight) {  // [N, K] bf16 -> [ceil(N/32)
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
-                     const torch::Tensor& bias, int64_t n) {
+                     const torch::Tensor& bias, const torch::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16);
   auto input = x.contiguous();
   TORCH_CHECK(input.size(1) == packed.size(1) * 2, "in_features mismatch");
   auto y = torch::empty({input.size(0), n}, input.options());
   linear_into(reinterpret_cast<const bf16*>(input.data_ptr()), input.size(0),
-              weight_of(packed, bias, n), reinterpret_cast<bf16*>(y.data_ptr()), nullptr);
+              weight_of(packed, bias, scales, n), reinterpret_cast<bf16*>(y.data_ptr()),
+              nullptr);
   return y;
 }
 

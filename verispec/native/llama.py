@@ -78,15 +78,16 @@ class LlamaShape:
 
 
 class Linear:
-    """y = x W^T + b, in one of four forms, each giving output rows that are bitwise independent
-    of how many rows the call holds:
-    - bfloat16 on a CPU with AMX: verispec's own kernel (kernels.cpp), weights packed once into
-      AMX tile order (a SmolLM2 step's GEMMs: 13.6 ms, flat from 1 to 16 rows);
+    """y = x W^T + b, in one of these forms, each giving output rows that are bitwise
+    independent of how many rows the call holds:
+    - on a CPU with AMX (bfloat16 activations): verispec's own kernel (kernels.cpp), weights
+      packed once into AMX tile order, bfloat16 or int8 (`int8=True`: one fp32 scale per output
+      channel, widened to bfloat16 tile by tile); a SmolLM2 step's GEMMs took 13.6 ms in
+      bfloat16, flat from 1 to 16 rows, against 18 ms for oneDNN;
     - bfloat16 on other CPUs: prepacked once into oneDNN's blocked layout (18 ms instead of
       26 ms, flat from 1 to 9 rows);
-    - int8 weights, one float scale per output channel, bfloat16 activations (`int8=True`):
-      half the bytes to stream; the kernel goes row by row, so it pays for 1-row steps and
-      loses for wide verification passes;
+    - int8 on other CPUs: torch's weight-only int8 kernel, which goes row by row (pays for
+      1-row steps, loses for wide verification passes);
     - anything else: F.linear.
     """
 
@@ -95,22 +96,23 @@ class Linear:
         self.out_features = weight.shape[0]
         self.weight, self.bias, self.packed, self.scales = weight, bias, None, None
         self.tiles = None  # [ceil(N/32), K/2, 32, 2]: the AMX kernel's layout
-        self.kernels = None
-        if not int8 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
-                and weight.shape[1] % 32 == 0:
-            self.kernels = kernels.load()
-        if self.kernels is not None:
-            self.tiles = self.kernels.pack(weight)
-            self.bias = torch.empty(0) if bias is None else bias.float().contiguous()
-            self.weight = None
-        elif int8:
-            if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-                raise ValueError("int8 weights need bfloat16 activations on the CPU")
+        self.tile_scales = torch.empty(0)  # [N] fp32 for int8 tiles
+        cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        if int8 and not cpu_bf16:
+            raise ValueError("int8 weights need bfloat16 activations on the CPU")
+        self.kernels = kernels.load() if cpu_bf16 and weight.shape[1] % 32 == 0 else None
+        if int8:
             scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
             self.weight = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(
                 torch.int8)
             self.scales = scales.to(torch.bfloat16)
-        elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            if self.kernels is not None:
+                self.tile_scales = scales.contiguous()
+        if self.kernels is not None:
+            self.tiles = self.kernels.pack(self.weight)
+            self.bias = torch.empty(0) if bias is None else bias.float().contiguous()
+            self.weight = None
+        elif cpu_bf16 and not int8:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
                 self.weight = None  # the packed copy replaces it
@@ -119,7 +121,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
-            return self.kernels.linear(x, self.tiles, self.bias, self.out_features)
+            return self.kernels.linear(x, self.tiles, self.bias, self.tile_scales,
+                                       self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.scales is not None:
@@ -223,8 +226,10 @@ class NativeLlama:
             return None
         self.kernels = self.layers[0].qkv.kernels  # the module the weights were packed for
         return [tensor.contiguous() for layer in self.layers for tensor in (
-            layer.attn_norm, layer.qkv.tiles, layer.qkv.bias, layer.out.tiles, layer.mlp_norm,
-            layer.gate_up.tiles, layer.down.tiles)]
+            layer.attn_norm, layer.mlp_norm, layer.qkv.bias,
+            layer.qkv.tiles, layer.qkv.tile_scales, layer.out.tiles, layer.out.tile_scales,
+            layer.gate_up.tiles, layer.gate_up.tile_scales, layer.down.tiles,
+            layer.down.tile_scales)]
 
     def new_cache(self) -> KVCache:
         return KVCache(self.shape, self.dtype, self.device)
@@ -309,7 +314,7 @@ class NativeLlama:
             x, self.fused, self.cos, self.sin, [row.cache.keys for row in rows],
             [row.cache.values for row in rows], [row.start for row in rows], lengths,
             [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-             shape.intermediate_size], shape.rms_norm_eps)
+             shape.intermediate_size], shape.rms_norm_eps, INVARIANT_MAX)
         return x
 
     def _torch_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor
