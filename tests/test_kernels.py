@@ -26,11 +26,12 @@ def kernels():
     return module
 
 
-def tiny(kind: str):
-    """bf16 models whose sizes the kernels take: head_dim 16, a vocabulary that is not a
-    multiple of the kernel's 32-feature blocks."""
+def tiny(kind: str, head_dim: int = 32):
+    """bf16 models whose sizes the kernels take, with a vocabulary that is not a multiple of
+    the kernel's 32-feature blocks. head_dim 32 attends on AMX, 16 on the AVX-512 path."""
     torch.manual_seed(0)
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=97, hidden_size=4 * head_dim, intermediate_size=96,
+                  num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.1)
     if kind == "llama":
@@ -83,15 +84,17 @@ def test_fused_forward_matches_transformers_and_the_torch_path(kind, kernels, mo
         cache = native.new_cache()
         got[name] = torch.cat([native.forward(IDS[:80], 0, 80, cache),
                                native.forward(IDS[80:], 80, 10, cache)])
-    scale = reference.abs().max()
-    # bf16 runs round at every op, in different orders: the same tolerance for both paths.
-    for name in ("fused", "torch"):
-        assert (got[name] - reference).abs().max() < 0.02 * scale, name
-        assert (got[name].argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95, name
+    # bf16 runs round at every op, each path in its own order: the fused path is to stay as
+    # close to transformers as the PyTorch path is.
+    error = {name: (logits - reference).abs().max() for name, logits in got.items()}
+    assert error["fused"] <= 1.5 * error["torch"] + 1e-3, error
+    assert error["fused"] < 0.05 * reference.abs().max(), error
+    assert (got["fused"].argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95
 
 
-def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels):
-    native = NativeLlama.from_hf(tiny("llama"))
+@pytest.mark.parametrize("head_dim", [32, 16], ids=["amx-attention", "avx512-attention"])
+def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels, head_dim):
+    native = NativeLlama.from_hf(tiny("llama", head_dim))
     steps = NativeCachedModel(native)
     steps.logits(IDS[:40], 1)  # a prompt pass (its own rounding: prompts run alone)
     one_by_one = torch.cat([steps.logits(IDS[:n], 1) for n in range(41, 91)])  # [50, V]

@@ -277,6 +277,98 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
   for (int64_t i = 0; i < d; i++) out[i] = round_bf16(result[i]);
 }
 
+// Attention for up to 16 queries that share one KV head (the heads of a GQA group, the
+// positions of a verification pass): scores on AMX as K Q^T (a tile of 16 keys straight from
+// the cache times a tile of the queries, transposed once), softmax and the weighted sum of
+// values in fp32 with AVX-512, one query at a time over exactly its own keys. A score depends
+// only on its query and key, and each query's sums run in key order, so a query gets the same
+// bits whichever queries share its call. Needs head_dim % 32 == 0.
+
+struct Query {
+  const bf16* q;  // [d]
+  int64_t count;  // attends over keys 0..count-1
+  bf16* out;      // [d]
+};
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void
+attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* values,
+             int64_t capacity, int64_t d, float scale, std::vector<float>& scores) {
+  int64_t longest = 0;
+  for (int64_t c = 0; c < count; c++) longest = std::max(longest, queries[c].count);
+  const int64_t stride = (longest + 15) / 16 * 16;  // scores row per query
+  if (int64_t(scores.size()) < TILE_M * stride) scores.resize(TILE_M * stride);
+  // 1. The queries as B tiles: [d/2 pairs][16 queries][2], zero columns past `count`.
+  alignas(64) bf16 tiled[MAX_HEAD_DIM / 2 * TILE_M * 2] = {};
+  for (int64_t c = 0; c < count; c++)
+    for (int64_t i = 0; i < d; i++) tiled[(i / 2) * TILE_M * 2 + c * 2 + i % 2] = queries[c].q[i];
+  TileConfig config;
+  for (int tile = 0; tile < 3; tile++) {  // 0: C [16 keys x 16 queries]; 1: A keys; 2: B
+    config.rows[tile] = 16;
+    config.colsb[tile] = 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) float block_scores[16 * 16];
+  alignas(64) bf16 staged[16 * MAX_HEAD_DIM];
+  // 2. Scores, 16 keys at a time (a block past the cache's end is staged, zero-padded).
+  for (int64_t first = 0; first < longest; first += 16) {
+    const bf16* block = keys + first * d;
+    if (first + 16 > capacity) {
+      std::memset(staged, 0, sizeof(staged));
+      std::memcpy(staged, block, (capacity - first) * d * 2);
+      block = staged;
+    }
+    _tile_zero(0);
+    for (int64_t kb = 0; kb < d / TILE_K; kb++) {
+      _tile_loadd(1, block + kb * TILE_K, d * 2);
+      _tile_loadd(2, tiled + kb * (TILE_K / 2) * TILE_M * 2, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, block_scores, 64);
+    const int64_t keys_here = std::min<int64_t>(16, longest - first);
+    for (int64_t c = 0; c < count; c++)
+      for (int64_t r = 0; r < keys_here; r++)
+        scores[c * stride + first + r] = block_scores[r * 16 + c] * scale;
+  }
+  _tile_release();
+  // 3. Softmax per query, over its own keys: exponentials in place, 1 / their sum.
+  float norms[TILE_M];
+  for (int64_t c = 0; c < count; c++) {
+    float* row = scores.data() + c * stride;
+    const int64_t n = queries[c].count;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; j++) top = std::max(top, row[j]);
+    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(top);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, n - j)) - 1u);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), shift));
+      e = _mm512_maskz_mov_ps(mask, e);
+      _mm512_mask_storeu_ps(row + j, mask, e);
+      total = _mm512_add_ps(total, e);
+    }
+    norms[c] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  // 4. Weighted sums of values: each value row widened once for every query that sees it.
+  const int64_t chunks = d / 16;
+  alignas(64) float sums[TILE_M * MAX_HEAD_DIM] = {};
+  for (int64_t j = 0; j < longest; j++) {
+    __m512 value[MAX_HEAD_DIM / 16];
+    for (int64_t k = 0; k < chunks; k++)
+      value[k] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(values + j * d + 16 * k)));
+    for (int64_t c = 0; c < count; c++) {
+      if (j >= queries[c].count) continue;
+      const __m512 weight = _mm512_set1_ps(scores[c * stride + j]);
+      float* sum = sums + c * d;
+      for (int64_t k = 0; k < chunks; k++)
+        _mm512_store_ps(sum + 16 * k,
+                        _mm512_fmadd_ps(weight, value[k], _mm512_load_ps(sum + 16 * k)));
+    }
+  }
+  for (int64_t c = 0; c < count; c++)
+    for (int64_t i = 0; i < d; i++) queries[c].out[i] = round_bf16(sums[c * d + i] * norms[c]);
+}
+
 // out [width] = round(round(silu(gate)) * up), gate and up the halves of in [2 width].
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void swiglu(
     const bf16* in, int64_t width, bf16* out) {
@@ -297,6 +389,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void swiglu(
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps;
+};
+
+struct QueryGroup {  // queries first..last-1 (t * group + head in group) of one row's KV head
+  int64_t row, kv_head, first, last;
 };
 
 struct Row {
@@ -380,7 +476,6 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   bf16* act = reinterpret_cast<bf16*>(act_t.data_ptr());
   const bf16* cos_table = reinterpret_cast<const bf16*>(cos.data_ptr());
   const bf16* sin_table = reinterpret_cast<const bf16*>(sin.data_ptr());
-  const int64_t group = shape.heads / shape.kv_heads;
   const float scale = 1.0f / std::sqrt(float(d));
   int64_t longest = 0;
   for (int64_t p : positions) longest = std::max(longest, p + 1);
@@ -388,6 +483,17 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   for (const Row& row : rows)
     if (row.length <= short_pass)
       for (int64_t t = 0; t < row.length; t++) short_queries.push_back(row.offset + t);
+  // The same queries by KV head, in groups of up to 16 (member = t * group + head in group).
+  const int64_t group = shape.heads / shape.kv_heads;
+  std::vector<QueryGroup> groups;
+  for (size_t r = 0; r < rows.size(); r++) {
+    if (rows[r].length > short_pass) continue;
+    const int64_t members = rows[r].length * group;
+    const int64_t size = rows[r].length == 1 ? 1 : TILE_M;
+    for (int64_t kv_head = 0; kv_head < shape.kv_heads; kv_head++)
+      for (int64_t first = 0; first < members; first += size)
+        groups.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});
+  }
 
   for (size_t layer = 0; layer * 11 < layers.size(); layer++) {
     // attn_norm, mlp_norm, qkv bias (fp32, or empty), then packed weights and their scales
@@ -418,17 +524,42 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
     }
     // 3. Attention. Short passes (decode, verification): one (position, head) per task, each
     // over exactly its own keys. Prompt passes: torch's fused causal kernel, row by row.
-    at::parallel_for(0, int64_t(short_queries.size()) * shape.heads, 1,
-                     [&](int64_t first, int64_t last) {
-      std::vector<float> scores(longest + 16);
-      for (int64_t task = first; task < last; task++) {
-        const int64_t i = short_queries[task / shape.heads], head = task % shape.heads;
-        const Row& row = rows[owner[i]];
-        const int64_t base = (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
-        attend_one(qkv + i * qkv_width + head * d, row.keys + base, row.values + base,
-                   positions[i] + 1, d, scale, scores.data(), attended + i * q_width + head * d);
-      }
-    });
+    if (d % TILE_K == 0) {
+      // Tasks of up to 16 queries that share a KV head: a decode step's query heads one by
+      // one (more tasks for the threads), a verification pass's positions and heads together.
+      at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t first, int64_t last) {
+        std::vector<float> scores;
+        std::vector<Query> queries;
+        for (int64_t task = first; task < last; task++) {
+          const QueryGroup& g = groups[task];
+          const Row& row = rows[g.row];
+          queries.clear();
+          for (int64_t member = g.first; member < g.last; member++) {
+            const int64_t t = member / group, head = g.kv_head * group + member % group;
+            const int64_t i = row.offset + t;
+            queries.push_back({qkv + i * qkv_width + head * d, positions[i] + 1,
+                               attended + i * q_width + head * d});
+          }
+          const int64_t base = (int64_t(layer) * shape.kv_heads + g.kv_head) * row.capacity * d;
+          attend_group(queries.data(), int64_t(queries.size()), row.keys + base,
+                       row.values + base, row.capacity, d, scale, scores);
+        }
+      });
+    } else {
+      at::parallel_for(0, int64_t(short_queries.size()) * shape.heads, 1,
+                       [&](int64_t first, int64_t last) {
+        std::vector<float> scores(longest + 16);
+        for (int64_t task = first; task < last; task++) {
+          const int64_t i = short_queries[task / shape.heads], head = task % shape.heads;
+          const Row& row = rows[owner[i]];
+          const int64_t base =
+              (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
+          attend_one(qkv + i * qkv_width + head * d, row.keys + base, row.values + base,
+                     positions[i] + 1, d, scale, scores.data(),
+                     attended + i * q_width + head * d);
+        }
+      });
+    }
     for (const Row& row : rows)
       if (row.length > short_pass) attend_prompt(row, layer, shape, qkv, qkv_width, attended);
     // 4. Output projection onto the residual stream.
