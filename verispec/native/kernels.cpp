@@ -284,6 +284,34 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
 // only on its query and key, and each query's sums run in key order, so a query gets the same
 // bits whichever queries share its call. Needs head_dim % 32 == 0.
 
+// Tile numbers must be compile-time constants: C tiles 0-3 by a run-time index.
+__attribute__((target("amx-tile"))) inline void tile_zero(int64_t t) {
+  switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3); break;
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_product(int64_t t) {  // C += A B
+  switch (t) {
+    case 0: _tile_dpbf16ps(0, 4, 5); break;
+    case 1: _tile_dpbf16ps(1, 4, 5); break;
+    case 2: _tile_dpbf16ps(2, 4, 5); break;
+    default: _tile_dpbf16ps(3, 4, 5); break;
+  }
+}
+
+__attribute__((target("amx-tile"))) inline void tile_store(int64_t t, float* out, int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(0, out, stride); break;
+    case 1: _tile_stored(1, out, stride); break;
+    case 2: _tile_stored(2, out, stride); break;
+    default: _tile_stored(3, out, stride); break;
+  }
+}
+
 struct Query {
   const bf16* q;  // [d]
   int64_t count;  // attends over keys 0..count-1
@@ -292,7 +320,8 @@ struct Query {
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void
 attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* values,
-             int64_t capacity, int64_t d, float scale, std::vector<float>& scores) {
+             int64_t capacity, int64_t d, float scale, std::vector<float>& scores,
+             std::vector<bf16>& weights) {
   int64_t longest = 0;
   for (int64_t c = 0; c < count; c++) longest = std::max(longest, queries[c].count);
   const int64_t stride = (longest + 15) / 16 * 16;  // scores row per query
@@ -301,8 +330,8 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
   alignas(64) bf16 tiled[MAX_HEAD_DIM / 2 * TILE_M * 2] = {};
   for (int64_t c = 0; c < count; c++)
     for (int64_t i = 0; i < d; i++) tiled[(i / 2) * TILE_M * 2 + c * 2 + i % 2] = queries[c].q[i];
-  TileConfig config;
-  for (int tile = 0; tile < 3; tile++) {  // 0: C [16 keys x 16 queries]; 1: A keys; 2: B
+  TileConfig config;  // every tile 16 x 64 bytes; scores: 0 = C, 1 = A, 2 = B; sums: 0-3 = C,
+  for (int tile = 0; tile < 6; tile++) {  // 4 = A, 5 = B
     config.rows[tile] = 16;
     config.colsb[tile] = 64;
   }
@@ -329,7 +358,6 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
       for (int64_t r = 0; r < keys_here; r++)
         scores[c * stride + first + r] = block_scores[r * 16 + c] * scale;
   }
-  _tile_release();
   // 3. Softmax per query, over its own keys: exponentials in place, 1 / their sum.
   float norms[TILE_M];
   for (int64_t c = 0; c < count; c++) {
@@ -348,23 +376,53 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
     }
     norms[c] = 1.0f / _mm512_reduce_add_ps(total);
   }
-  // 4. Weighted sums of values: each value row widened once for every query that sees it.
-  const int64_t chunks = d / 16;
-  alignas(64) float sums[TILE_M * MAX_HEAD_DIM] = {};
-  for (int64_t j = 0; j < longest; j++) {
-    __m512 value[MAX_HEAD_DIM / 16];
-    for (int64_t k = 0; k < chunks; k++)
-      value[k] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(values + j * d + 16 * k)));
-    for (int64_t c = 0; c < count; c++) {
-      if (j >= queries[c].count) continue;
-      const __m512 weight = _mm512_set1_ps(scores[c * stride + j]);
-      float* sum = sums + c * d;
-      for (int64_t k = 0; k < chunks; k++)
-        _mm512_store_ps(sum + 16 * k,
-                        _mm512_fmadd_ps(weight, value[k], _mm512_load_ps(sum + 16 * k)));
+  // 4. Weighted sums of values on AMX: P [16 queries x 32 keys] (exponentials rounded to
+  // bf16, zero past a query's keys) times values in pairs of keys, 32 keys at a time; each
+  // query's sums over its own keys, the zeros past them adding nothing.
+  const int64_t padded = (longest + 31) / 32 * 32;
+  weights.assign(TILE_M * padded, 0);
+  for (int64_t c = 0; c < count; c++)
+    for (int64_t j = 0; j < queries[c].count; j++)
+      weights[c * padded + j] = round_bf16(scores[c * stride + j]);
+  alignas(64) bf16 pairs[16 * MAX_HEAD_DIM * 2];  // [16 key pairs][d][2]
+  alignas(64) float sums[TILE_M * MAX_HEAD_DIM];
+  __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+  {
+    alignas(64) uint16_t index[64];
+    for (int i = 0; i < 16; i++) {
+      index[2 * i] = uint16_t(i), index[2 * i + 1] = uint16_t(32 + i);
+      index[32 + 2 * i] = uint16_t(16 + i), index[32 + 2 * i + 1] = uint16_t(48 + i);
     }
+    low = _mm512_load_si512(index);
+    high = _mm512_load_si512(index + 32);
   }
+  for (int64_t columns = 0; columns < d; columns += 64) {  // up to 4 C tiles at a time
+    const int64_t tiles = std::min<int64_t>(4, (d - columns) / 16);
+    _tile_loadconfig(&config);
+    for (int64_t t = 0; t < tiles; t++) tile_zero(t);
+    for (int64_t first = 0; first < padded; first += 32) {
+      for (int64_t r = 0; r < 16; r++) {  // interleave value rows first+2r, first+2r+1
+        const int64_t j = first + 2 * r;
+        for (int64_t dim = columns; dim < columns + tiles * 16; dim += 32) {
+          const __m512i a = j < capacity ? _mm512_loadu_si512(values + j * d + dim)
+                                         : _mm512_setzero_si512();
+          const __m512i b = j + 1 < capacity ? _mm512_loadu_si512(values + (j + 1) * d + dim)
+                                             : _mm512_setzero_si512();
+          _mm512_store_si512(pairs + r * 128 + (dim - columns) * 2,
+                             _mm512_permutex2var_epi16(a, low, b));
+          _mm512_store_si512(pairs + r * 128 + (dim - columns) * 2 + 32,
+                             _mm512_permutex2var_epi16(a, high, b));
+        }
+      }
+      _tile_loadd(4, weights.data() + first, padded * 2);
+      for (int64_t t = 0; t < tiles; t++) {
+        _tile_loadd(5, pairs + t * 32, 256);
+        tile_product(t);
+      }
+    }
+    for (int64_t t = 0; t < tiles; t++) tile_store(t, sums + columns + t * 16, d * 4);
+  }
+  _tile_release();
   for (int64_t c = 0; c < count; c++)
     for (int64_t i = 0; i < d; i++) queries[c].out[i] = round_bf16(sums[c * d + i] * norms[c]);
 }
@@ -529,6 +587,7 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
       // one (more tasks for the threads), a verification pass's positions and heads together.
       at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t first, int64_t last) {
         std::vector<float> scores;
+        std::vector<bf16> weights;
         std::vector<Query> queries;
         for (int64_t task = first; task < last; task++) {
           const QueryGroup& g = groups[task];
@@ -542,7 +601,7 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
           }
           const int64_t base = (int64_t(layer) * shape.kv_heads + g.kv_head) * row.capacity * d;
           attend_group(queries.data(), int64_t(queries.size()), row.keys + base,
-                       row.values + base, row.capacity, d, scale, scores);
+                       row.values + base, row.capacity, d, scale, scores, weights);
         }
       });
     } else {
