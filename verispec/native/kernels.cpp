@@ -33,6 +33,7 @@ using bf16 = uint16_t;
 constexpr int64_t BLOCK = 32;  // output features per packed weight block (two AMX C tiles)
 constexpr int64_t TILE_K = 32;  // bf16 values of K per AMX tile row
 constexpr int64_t TILE_M = 16;  // rows per AMX tile
+constexpr int64_t MAX_HEAD_DIM = 256;
 
 inline float f32(bf16 v) {
   uint32_t bits = uint32_t(v) << 16;
@@ -179,25 +180,61 @@ void linear_into(const bf16* x, int64_t m, const Weight& w, bf16* y, const bf16*
 // ---------------------------------------------------------------------------------------------
 // Elementwise pieces.
 
-// transformers' LlamaRMSNorm in bfloat16: weight * bf16(x * rsqrt(mean(x^2) + eps)).
+__attribute__((target("avx512f,avx512bf16"))) inline __m512 round_trip(__m512 v) {  // via bf16
+  return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+}
+
+// transformers' LlamaRMSNorm in bfloat16: weight * bf16(x * rsqrt(mean(x^2) + eps)); the sum
+// of squares in 16 lanes, then a fixed tree.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void rms_norm_row(
+    const bf16* in, int64_t h, const bf16* weight, float eps, bf16* out) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, h - i)) - 1u);
+    const __m512 v = load_bf16(in + i, mask);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 scale =
+      _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(h) + eps));
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, h - i)) - 1u);
+    const __m512 normed = round_trip(_mm512_mul_ps(load_bf16(in + i, mask), scale));
+    _mm256_mask_storeu_epi16(out + i, mask, (__m256i)_mm512_cvtneps_pbh(
+                                                _mm512_mul_ps(load_bf16(weight + i, mask), normed)));
+  }
+}
+
 void rms_norm(const bf16* x, int64_t m, int64_t h, const bf16* weight, float eps, bf16* out) {
   at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
-    for (int64_t row = first; row < last; row++) {
-      const bf16* in = x + row * h;
-      float squares = 0.0f;
-      for (int64_t i = 0; i < h; i++) squares += f32(in[i]) * f32(in[i]);
-      const float scale = 1.0f / std::sqrt(squares / float(h) + eps);
-      for (int64_t i = 0; i < h; i++)
-        out[row * h + i] = round_bf16(f32(weight[i]) * f32(round_bf16(f32(in[i]) * scale)));
-    }
+    for (int64_t row = first; row < last; row++)
+      rms_norm_row(x + row * h, h, weight, eps, out + row * h);
   });
 }
 
 // Rotary embedding in place on `heads` heads of width d: x * cos + rotate_half(x) * sin, each
 // product rounded as transformers does; cos/sin rows [d] with the sign folded into sin.
-void rotate(bf16* x, int64_t heads, int64_t d, const bf16* cos, const bf16* sin) {
-  std::vector<float> head(d);
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void rotate(
+    bf16* x, int64_t heads, int64_t d, const bf16* cos, const bf16* sin) {
   const int64_t half = d / 2;
+  if (half % 16 == 0 && d <= MAX_HEAD_DIM) {  // whole 16-lane chunks on each side
+    const int64_t chunks = d / 16;
+    const __mmask16 all = 0xffff;
+    for (int64_t h = 0; h < heads; h++) {
+      bf16* v = x + h * d;
+      __m512 head[MAX_HEAD_DIM / 16];
+      for (int64_t c = 0; c < chunks; c++) head[c] = load_bf16(v + 16 * c, all);
+      for (int64_t c = 0; c < chunks; c++) {
+        const __m512 swapped = head[(c + chunks / 2) % chunks];
+        const __m512 sum = _mm512_add_ps(
+            round_trip(_mm512_mul_ps(head[c], load_bf16(cos + 16 * c, all))),
+            round_trip(_mm512_mul_ps(swapped, load_bf16(sin + 16 * c, all))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(sum));
+      }
+    }
+    return;
+  }
+  float head[MAX_HEAD_DIM];
   for (int64_t h = 0; h < heads; h++) {
     bf16* v = x + h * d;
     for (int64_t i = 0; i < d; i++) head[i] = f32(v[i]);
@@ -228,7 +265,6 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // e^x, |re
   return _mm512_scalef_ps(p, n);
 }
 
-constexpr int64_t MAX_HEAD_DIM = 256;
 
 // out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d].
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
@@ -353,37 +389,43 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, block_scores, 64);
-    const int64_t keys_here = std::min<int64_t>(16, longest - first);
+    // The tile is [key][query]: each query's column, scaled, into its row of scores.
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(16));
     for (int64_t c = 0; c < count; c++)
-      for (int64_t r = 0; r < keys_here; r++)
-        scores[c * stride + first + r] = block_scores[r * 16 + c] * scale;
+      _mm512_storeu_ps(scores.data() + c * stride + first,
+                       _mm512_mul_ps(_mm512_i32gather_ps(column, block_scores + c, 4),
+                                     _mm512_set1_ps(scale)));
   }
-  // 3. Softmax per query, over its own keys: exponentials in place, 1 / their sum.
+  // 3. Softmax per query, over its own keys: the exponentials rounded to bf16 as the weights
+  // of step 4 (zero past the query's keys), 1 / their fp32 sum.
+  const int64_t padded = (longest + 31) / 32 * 32;
+  weights.assign(TILE_M * padded, 0);
   float norms[TILE_M];
   for (int64_t c = 0; c < count; c++) {
-    float* row = scores.data() + c * stride;
+    const float* row = scores.data() + c * stride;
     const int64_t n = queries[c].count;
-    float top = -INFINITY;
-    for (int64_t j = 0; j < n; j++) top = std::max(top, row[j]);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, n - j)) - 1u);
+      top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, row + j));
+    }
     __m512 total = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(top);
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, n - j)) - 1u);
       __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), shift));
       e = _mm512_maskz_mov_ps(mask, e);
-      _mm512_mask_storeu_ps(row + j, mask, e);
+      _mm256_mask_storeu_epi16(weights.data() + c * padded + j, mask,
+                               (__m256i)_mm512_cvtneps_pbh(e));
       total = _mm512_add_ps(total, e);
     }
     norms[c] = 1.0f / _mm512_reduce_add_ps(total);
   }
-  // 4. Weighted sums of values on AMX: P [16 queries x 32 keys] (exponentials rounded to
-  // bf16, zero past a query's keys) times values in pairs of keys, 32 keys at a time; each
-  // query's sums over its own keys, the zeros past them adding nothing.
-  const int64_t padded = (longest + 31) / 32 * 32;
-  weights.assign(TILE_M * padded, 0);
-  for (int64_t c = 0; c < count; c++)
-    for (int64_t j = 0; j < queries[c].count; j++)
-      weights[c * padded + j] = round_bf16(scores[c * stride + j]);
+  // 4. Weighted sums of values on AMX: P [16 queries x 32 keys] times values in pairs of
+  // keys, 32 keys at a time; each query's sums over its own keys, the zeros past them adding
+  // nothing.
   alignas(64) bf16 pairs[16 * MAX_HEAD_DIM * 2];  // [16 key pairs][d][2]
   alignas(64) float sums[TILE_M * MAX_HEAD_DIM];
   __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
@@ -547,7 +589,8 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   for (size_t r = 0; r < rows.size(); r++) {
     if (rows[r].length > short_pass) continue;
     const int64_t members = rows[r].length * group;
-    const int64_t size = rows[r].length == 1 ? 1 : TILE_M;
+    // One query head per task for a lone decode row (work for both threads), else up to 16.
+    const int64_t size = rows.size() == 1 && rows[r].length == 1 ? 1 : TILE_M;
     for (int64_t kv_head = 0; kv_head < shape.kv_heads; kv_head++)
       for (int64_t first = 0; first < members; first += size)
         groups.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});

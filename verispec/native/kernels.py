@@ -60,6 +60,8 @@ def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     began = time.perf_counter()
+    if not (_build_directory() / "verispec_kernels.so").exists():
+        log.info("native runtime: building verispec's C++ kernels (once, ~40 s)")
     try:
         module = cpp_extension.load(
             name="verispec_kernels", sources=[str(SOURCE)], build_directory=str(_build_directory()),
