@@ -95,11 +95,12 @@ def test_hf_methods_really_ignore_eos(text_target, tokenizer):
     assert stopped.token_ids == [first]
 
 
-def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, tmp_path):
+@pytest.mark.parametrize("queue", [1, 4], ids=["static", "continuous"])
+def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, tmp_path, queue):
     config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
                          methods=("baseline", "ngram", "draft", "hf-baseline"), limit=5,
                          max_new_tokens=10, ks=(2,), batch_sizes=(1, 2, 4), out=tmp_path / "b",
-                         runtime="native")
+                         runtime="native", batch_queue=queue)
     results = run_bench(config, progress=False)
     by_batch = results["batch"]["by_batch"]
     assert list(by_batch) == [1, 2, 4]
@@ -110,7 +111,11 @@ def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, t
         assert by_batch[size]["draft"]["greedy_equal_to_baseline"] == "5/5"
         assert by_batch[size]["draft"]["new_tokens"] == 50
     assert any("hf-baseline skipped" in note for note in results["notes"])
-    assert "| 4 | draft |" in (tmp_path / "b" / "report.md").read_text()
+    report = (tmp_path / "b" / "report.md").read_text()
+    assert "| 4 | draft |" in report
+    assert ("static batch" in report) == (queue == 1)
     assert (tmp_path / "b" / "throughput_by_batch.png").is_file()
     with pytest.raises(ValueError, match="baseline"):
         BenchConfig(methods=("ngram",), batch_sizes=(2,))
+    with pytest.raises(ValueError, match="batch_queue"):
+        BenchConfig(batch_sizes=(2,), batch_queue=0)

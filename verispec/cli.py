@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", default=None,
                        help="comma-separated batch sizes (1,4,16): measure batched throughput "
                             "of verispec's methods against its plain batched decoding")
+    bench.add_argument("--batch-queue", type=int, default=4,
+                       help="prompts per scheduler run as a multiple of the batch size: 1 = "
+                            "static batches (a batch waits for its slowest row); 4 (default) = "
+                            "continuous batching, rows that end replaced from the queue")
     bench.add_argument("--out", default="bench_out")
     bench.set_defaults(run=run_bench)
 
@@ -135,7 +139,7 @@ def run_bench(args: argparse.Namespace) -> int:
         draft=args.draft, dtype=args.dtype, runtime=args.runtime, int8=args.int8,
         seed=args.seed, ignore_eos=not args.stop_at_eos,
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
-        batch_sizes=parse_sizes(args.batch_size))
+        batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue)
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)

@@ -1,8 +1,12 @@
 """Batched throughput: verispec's speculative methods against its own plain batched decoding.
 
-For each batch size B the prompts are cut into chunks of B; every chunk is decoded by every
-method as one batch (`SpeculativeDecoder.generate(list)`), methods rotated chunk by chunk so
-machine noise hits them alike. Throughput is all generated tokens over all wall time.
+For each batch size B the prompts are cut into chunks of Q*B (Q = `queue`); every chunk is
+decoded by every method with the scheduler at max_batch=B (`SpeculativeDecoder.generate(list,
+max_batch=B)`), methods rotated chunk by chunk so machine noise hits them alike. Q = 1 gives
+static batches, where a batch runs until its slowest row ends (speculative rows end at
+different rounds, so a batch pays for its slowest one); Q > 1 is continuous batching, where a
+row that ends is replaced from the queue, as in the server. Throughput is all generated tokens
+over all wall time.
 """
 
 from __future__ import annotations
@@ -17,16 +21,17 @@ from verispec.params import SamplingParams
 
 
 def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int, ...],
-                    params: SamplingParams, progress: bool = True) -> dict:
+                    params: SamplingParams, progress: bool = True, queue: int = 1) -> dict:
     """methods: VerispecMethod objects (their decoders), baseline first -> results by B."""
     from verispec.bench.runner import rotated
 
-    results: dict = {"batch_sizes": list(batch_sizes), "by_batch": {}}
-    total = sum(len(range(0, len(prompt_ids), b)) for b in batch_sizes) * len(methods)
+    results: dict = {"batch_sizes": list(batch_sizes), "queue": queue, "by_batch": {}}
+    total = sum(len(range(0, len(prompt_ids), b * queue)) for b in batch_sizes) * len(methods)
     bar = tqdm(total=total, desc="batch bench", unit="batch", disable=not progress,
                file=sys.stderr)
     for batch in batch_sizes:
-        chunks = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
+        size = batch * queue
+        chunks = [prompt_ids[i:i + size] for i in range(0, len(prompt_ids), size)]
         # 1. Warm-up at this batch size, and the cost models of every batch size a shrinking
         #    batch passes through (measured once per size), outside the timed runs.
         for method in methods:
@@ -35,7 +40,8 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
                 for size in COST_BATCH_SIZES:
                     if size <= batch:
                         decoder.batch_costs(size)
-            decoder.generate(chunks[0], SamplingParams(max_new_tokens=8, ignore_eos=True),
+            decoder.generate(chunks[0][:batch], SamplingParams(max_new_tokens=8,
+                                                                ignore_eos=True),
                              max_batch=batch)
         totals = {m.name: dict(new_tokens=0, wall_s=0.0, accepted=0, checked=0, equal=0,
                                compared=0) for m in methods}
@@ -117,9 +123,13 @@ def write_batch_outputs(results: dict, out) -> None:
 
 
 def render_batch_markdown(batch: dict) -> list[str]:
+    queue = batch.get("queue", 1)
+    how = ("each chunk of B prompts decoded as one static batch" if queue == 1 else
+           f"continuous batching: chunks of {queue}*B prompts queued, B rows at a time, a row "
+           "that ends replaced from the queue")
     lines = ["", "## Batched throughput", "",
-             "Total generated tokens/s, each chunk of prompts decoded as one batch; speedup over "
-             "verispec's plain batched decoding at the same batch size.", "",
+             f"Total generated tokens/s, {how}; speedup over verispec's plain batched decoding "
+             "at the same batch size B.", "",
              "| batch size | method | tokens/s | speedup | acceptance | greedy = baseline |",
              "|---|---|---|---|---|---|"]
     for size, methods in batch["by_batch"].items():

@@ -32,6 +32,10 @@ class BenchConfig:
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example
     out: Path = Path("bench_out")
     batch_sizes: tuple[int, ...] = ()  # set: the batched throughput benchmark at these sizes
+    # Prompts per scheduler run, as a multiple of the batch size: 1 = static batches (a batch
+    # runs until its slowest row ends); Q > 1 = continuous batching over Q*B queued prompts
+    # (rows that end are replaced from the queue, as in the server).
+    batch_queue: int = 4
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in ALL_METHODS]
@@ -50,6 +54,8 @@ class BenchConfig:
             raise ValueError("temperature must be >= 0")
         if any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers >= 1, got {self.batch_sizes}")
+        if not isinstance(self.batch_queue, int) or self.batch_queue < 1:
+            raise ValueError(f"batch_queue must be an integer >= 1, got {self.batch_queue}")
         if self.batch_sizes and "baseline" not in self.methods:
             raise ValueError("the batched benchmark needs the baseline method")
         if self.prompts is not None and not Path(self.prompts).is_file():

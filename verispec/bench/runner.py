@@ -108,7 +108,8 @@ def _run_batched(config: BenchConfig, methods, notes, prompt_ids, model, runners
         raise ValueError("the batched benchmark needs the baseline method")
     params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                             seed=config.seed, ignore_eos=config.ignore_eos)
-    results = dict(batch=run_batch_bench(mine, prompt_ids, config.batch_sizes, params),
+    results = dict(batch=run_batch_bench(mine, prompt_ids, config.batch_sizes, params,
+                                         queue=config.batch_queue),
                    config=config_dict(config), machine=machine_info(config, model, runners),
                    notes=notes, prompts_count=len(prompt_ids))
     write_batch_outputs(results, config.out)
