@@ -28,7 +28,8 @@ def kernels():
 
 def tiny(kind: str, head_dim: int = 32):
     """bf16 models whose sizes the kernels take, with a vocabulary that is not a multiple of
-    the kernel's 32-feature blocks. head_dim 32 attends on AMX, 16 on the AVX-512 path."""
+    the kernel's 32-feature blocks. head_dim 64 and 32 attend on AMX (64 on its own path),
+    16 on the AVX-512 path."""
     torch.manual_seed(0)
     common = dict(vocab_size=97, hidden_size=4 * head_dim, intermediate_size=96,
                   num_hidden_layers=2,
@@ -92,7 +93,8 @@ def test_fused_forward_matches_transformers_and_the_torch_path(kind, kernels, mo
     assert (got["fused"].argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95
 
 
-@pytest.mark.parametrize("head_dim", [32, 16], ids=["amx-attention", "avx512-attention"])
+@pytest.mark.parametrize("head_dim", [64, 32, 16],
+                         ids=["amx-attention-d64", "amx-attention", "avx512-attention"])
 def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels, head_dim):
     native = NativeLlama.from_hf(tiny("llama", head_dim))
     steps = NativeCachedModel(native)
