@@ -1,7 +1,8 @@
 """verispec's C++ CPU kernels (kernels.cpp): AMX bfloat16 linear layers and a whole decoder
 forward in one call. Built with the system compiler on first use (~40 s, once per machine and
-torch version, cached under ~/.cache/verispec/kernels) and used only where they can run: a CPU
-with AMX and AVX512-BF16, bfloat16 weights. Everywhere else the runtime stays in PyTorch.
+torch version, cached in $XDG_CACHE_HOME/verispec/kernels, by default ~/.cache/verispec/kernels)
+and used only where they can run: a CPU with AMX and AVX512-BF16, bfloat16 weights. Everywhere
+else the runtime stays in PyTorch.
 
 VERISPEC_KERNELS=0 turns them off (the PyTorch path, for comparison)."""
 
@@ -36,8 +37,9 @@ def _cpu_has_amx() -> bool:
 
 
 def _build_directory() -> Path:
-    root = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
-    folder = root / "kernels" / f"torch-{torch.__version__}"
+    from verispec.loading import cache_root
+
+    folder = cache_root().parent / "kernels" / f"torch-{torch.__version__}"  # beside models/
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
