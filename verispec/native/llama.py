@@ -219,6 +219,7 @@ class NativeLlama:
     def _fused_weights(self) -> list[torch.Tensor] | None:
         """The layers' tensors in kernels.forward_layers' order, where every linear layer runs
         on the AMX kernel; None otherwise (the PyTorch loop runs)."""
+        self.kernels = None
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
         if not self.layers or any(lin.tiles is None for lin in linears) \
