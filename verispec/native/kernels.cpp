@@ -54,6 +54,10 @@ inline bf16 round_bf16(float v) {  // round to nearest even, as torch does
   return bf16(bits >> 16);
 }
 
+inline __mmask16 lanes(int64_t count) {  // the first min(count, 16) lanes of a vector
+  return __mmask16((1u << std::min<int64_t>(16, count)) - 1u);
+}
+
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -145,7 +149,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 lo
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_row(
     const float* out, int64_t width, const Weight& w, int64_t col, bf16* dst, const bf16* res) {
   for (int64_t j = 0; j < width; j += 16) {
-    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, width - j)) - 1u);
+    const __mmask16 mask = lanes(width - j);
     __m512 v = _mm512_loadu_ps(out + j);
     if (w.scales) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, w.scales + col + j));
     if (w.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, w.bias + col + j));
@@ -194,14 +198,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void rms_norm_ro
     const bf16* in, int64_t h, const bf16* weight, float eps, bf16* out) {
   __m512 squares = _mm512_setzero_ps();
   for (int64_t i = 0; i < h; i += 16) {
-    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, h - i)) - 1u);
+    const __mmask16 mask = lanes(h - i);
     const __m512 v = load_bf16(in + i, mask);
     squares = _mm512_fmadd_ps(v, v, squares);
   }
   const __m512 scale =
       _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(h) + eps));
   for (int64_t i = 0; i < h; i += 16) {
-    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, h - i)) - 1u);
+    const __mmask16 mask = lanes(h - i);
     const __m512 normed = round_trip(_mm512_mul_ps(load_bf16(in + i, mask), scale));
     _mm256_mask_storeu_epi16(out + i, mask, (__m256i)_mm512_cvtneps_pbh(
                                                 _mm512_mul_ps(load_bf16(weight + i, mask), normed)));
@@ -269,6 +273,30 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // e^x, rel
   return _mm512_scalef_ps(p, n);
 }
 
+// Softmax numerators of scores [n] in place (exp(score - max)), also rounded to bf16 into
+// weights [n] when given; returns 1 / their sum (16 lanes, then a fixed tree). The max is exact
+// in any order; every other sum runs in the same order for the same n.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float softmax_in_place(
+    float* scores, int64_t n, bf16* weights) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = lanes(n - j);
+    top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, scores + j));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = lanes(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(
+        mask, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), shift)));
+    _mm512_mask_storeu_ps(scores + j, mask, e);
+    if (weights)
+      _mm256_mask_storeu_epi16(weights + j, mask, (__m256i)_mm512_cvtneps_pbh(e));
+    total = _mm512_add_ps(total, e);
+  }
+  return 1.0f / _mm512_reduce_add_ps(total);
+}
+
 // out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d].
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
     const bf16* q, const bf16* keys, const bf16* values, int64_t count, int64_t d, float scale,
@@ -277,30 +305,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
   __m512 query[MAX_HEAD_DIM / 16];
   __mmask16 masks[MAX_HEAD_DIM / 16];
   for (int64_t c = 0; c < chunks; c++) {
-    masks[c] = __mmask16((1u << std::min<int64_t>(16, d - 16 * c)) - 1u);
+    masks[c] = lanes(d - 16 * c);
     query[c] = load_bf16(q + 16 * c, masks[c]);
   }
-  // 1. Scores, and their maximum.
-  float top = -INFINITY;
+  // 1. Scores.
   for (int64_t j = 0; j < count; j++) {
     const bf16* key = keys + j * d;
     __m512 sum = _mm512_mul_ps(query[0], load_bf16(key, masks[0]));
     for (int64_t c = 1; c < chunks; c++)
       sum = _mm512_fmadd_ps(query[c], load_bf16(key + 16 * c, masks[c]), sum);
     scores[j] = _mm512_reduce_add_ps(sum) * scale;
-    top = std::max(top, scores[j]);
   }
-  // 2. Exponentials (in place) and their sum, 16 lanes then a fixed tree.
-  __m512 total = _mm512_setzero_ps();
-  const __m512 shift = _mm512_set1_ps(top);
-  for (int64_t j = 0; j < count; j += 16) {
-    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, count - j)) - 1u);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), shift));
-    e = _mm512_maskz_mov_ps(mask, e);
-    _mm512_mask_storeu_ps(scores + j, mask, e);
-    total = _mm512_add_ps(total, e);
-  }
-  const float norm = 1.0f / _mm512_reduce_add_ps(total);
+  // 2. Exponentials (in place) and 1 / their sum.
+  const float norm = softmax_in_place(scores, count, nullptr);
   // 3. The weighted sum of values.
   __m512 acc[MAX_HEAD_DIM / 16];
   for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
@@ -406,26 +423,9 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
   const int64_t padded = (longest + 31) / 32 * 32;
   weights.assign(TILE_M * padded, 0);
   float norms[TILE_M];
-  for (int64_t c = 0; c < count; c++) {
-    const float* row = scores.data() + c * stride;
-    const int64_t n = queries[c].count;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, n - j)) - 1u);
-      top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, row + j));
-    }
-    __m512 total = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, n - j)) - 1u);
-      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), shift));
-      e = _mm512_maskz_mov_ps(mask, e);
-      _mm256_mask_storeu_epi16(weights.data() + c * padded + j, mask,
-                               (__m256i)_mm512_cvtneps_pbh(e));
-      total = _mm512_add_ps(total, e);
-    }
-    norms[c] = 1.0f / _mm512_reduce_add_ps(total);
-  }
+  for (int64_t c = 0; c < count; c++)
+    norms[c] = softmax_in_place(scores.data() + c * stride, queries[c].count,
+                                weights.data() + c * padded);
   // 4. Weighted sums of values on AMX: P [16 queries x 32 keys] times values in pairs of
   // keys, 32 keys at a time; each query's sums over its own keys, the zeros past them adding
   // nothing.
@@ -477,7 +477,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void swiglu(
     const bf16* in, int64_t width, bf16* out) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t j = 0; j < width; j += 16) {
-    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(16, width - j)) - 1u);
+    const __mmask16 mask = lanes(width - j);
     const __m512 gate = load_bf16(in + j, mask), up = load_bf16(in + width + j, mask);
     const __m512 silu = _mm512_div_ps(
         gate, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));

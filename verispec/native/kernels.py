@@ -8,9 +8,9 @@ VERISPEC_KERNELS=0 turns them off (the PyTorch path, for comparison)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -20,8 +20,6 @@ import torch
 log = logging.getLogger("verispec")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-_lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
 
 
 def enabled() -> bool:
@@ -46,15 +44,10 @@ def _build_directory() -> Path:
 
 def load() -> ModuleType | None:
     """The compiled kernels, or None where they cannot run here (said once in the log)."""
-    if not enabled():
-        return None
-    with _lock:
-        if "module" in _state:
-            return _state["module"]
-        _state["module"] = module = _build()
-        return module
+    return _build() if enabled() else None
 
 
+@functools.cache
 def _build() -> ModuleType | None:
     if not _cpu_has_amx():
         log.info("native runtime: this CPU has no AMX bf16; the PyTorch path runs")
@@ -62,11 +55,12 @@ def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     began = time.perf_counter()
-    if not (_build_directory() / "verispec_kernels.so").exists():
+    folder = _build_directory()
+    if not (folder / "verispec_kernels.so").exists():
         log.info("native runtime: building verispec's C++ kernels (once, ~40 s)")
     try:
         module = cpp_extension.load(
-            name="verispec_kernels", sources=[str(SOURCE)], build_directory=str(_build_directory()),
+            name="verispec_kernels", sources=[str(SOURCE)], build_directory=str(folder),
             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-lgomp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the PyTorch path runs
         log.warning("native runtime: could not build the C++ kernels (%s); the PyTorch path runs",

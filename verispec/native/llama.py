@@ -211,10 +211,11 @@ class NativeLlama:
         self.dtype, self.device = embed.dtype, embed.device
         cos, sin = rope_tables(shape)
         self.cos, self.sin = (table.to(self.dtype).to(self.device) for table in (cos, sin))
-        group = shape.num_heads // shape.num_kv_heads
-        self.grouped_queries = _rows_are_independent(self.dtype, self.device, shape.head_dim,
-                                                     group)
         self.fused = self._fused_weights()
+        # The PyTorch path's attention plan (unused when the C++ kernels run every layer).
+        group = shape.num_heads // shape.num_kv_heads
+        self.grouped_queries = self.fused is None and _rows_are_independent(
+            self.dtype, self.device, shape.head_dim, group)
 
     def _fused_weights(self) -> list[torch.Tensor] | None:
         """The layers' tensors in kernels.forward_layers' order, where every linear layer runs
@@ -284,9 +285,11 @@ class NativeLlama:
         position's last hidden state goes to its row's cache.features (a feature drafter reads
         them). inputs [N, H]: vectors to use instead of the rows' token embeddings.
 
-        Linear layers see all N = sum(T) positions as one matrix, whose rows do not depend on
-        N; attention goes row by row over each row's own cache. So a row's logits are the same
-        bits alone or in any batch (tests/test_batch.py)."""
+        The decoder layers run in one C++ call where the kernels can (`_fused_layers`), else
+        in PyTorch ops (`_torch_layers`). Either way linear layers see all N = sum(T)
+        positions as one matrix, whose rows do not depend on N, and attention goes row by row
+        over each row's own cache. So a row's logits are the same bits alone or in any batch
+        (tests/test_batch.py, tests/test_kernels.py)."""
         lengths = [int(row.ids.numel()) for row in rows]
         for row, length in zip(rows, lengths, strict=True):
             row.cache.reserve(row.start + length)
@@ -297,7 +300,7 @@ class NativeLlama:
             x = self._fused_layers(rows, lengths, x)
         else:
             x = self._torch_layers(rows, lengths, x)
-        # 4. The head, only for the positions whose logits are wanted.
+        # The head, only for the positions whose logits are wanted.
         ends = list(itertools.accumulate(lengths))
         for row, length, end in zip(rows, lengths, ends, strict=True):
             row.cache.features[row.start:row.start + length] = x[end - length:end]
