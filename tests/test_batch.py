@@ -14,6 +14,7 @@ from conftest import always_accept, chi2_pvalue, perturbed_copy, tiny_gpt2, tiny
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from verispec.drafters.batch import propose_batch
 from verispec.native import NativeCachedModel, NativeLlama
 from verispec.native.llama import RowPass
 from verispec.runtime import make_runner
@@ -64,6 +65,33 @@ def test_greedy_rows_equal_their_solo_outputs(kind, k, text_pair, tokenizer):
     assert [len(o.token_ids) for o in together[:4]] == [30, 12, 25, 40]
     if kind != "none" and k == 3:  # (auto may rightly find a draft as big as this target
         assert sum(o.stats.accepted for o in together) > 0  # too dear, and not draft at all)
+
+
+class _CountingDrafter(NgramDrafter):
+    """A stand-in for a draft model that records the K it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def propose(self, history, k, params, generator):
+        self.asked.append(k)
+        return super().propose(history, k, params, generator)
+
+
+def test_a_hybrid_lookup_proposes_up_to_the_free_k_and_the_model_its_own():
+    history = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7])  # [5, 6, 7] recurs
+    fresh = torch.tensor([1, 2, 3, 4])  # nothing recurs
+    model = _CountingDrafter()
+    rows = [HybridDrafter(model, min_match=3), HybridDrafter(model, min_match=3)]
+    drafts = propose_batch(rows, [history, fresh], [1, 1], [SamplingParams()] * 2, [None] * 2,
+                           free_ks=[4, 4])
+    assert drafts[0].tokens.tolist() == [8, 9, 10, 11] and drafts[0].source == 3
+    assert model.asked == [1]  # only the row without a match asked the model, for its own K
+    drafts = propose_batch(rows, [history, fresh], [0, 0], [SamplingParams()] * 2, [None] * 2,
+                           free_ks=[2, 2])
+    assert drafts[0].tokens.tolist() == [8, 9] and not len(drafts[1])
+    assert model.asked == [1]  # K = 0 for the model: it is not asked at all
 
 
 def test_rows_finish_on_eos_without_stalling_others(text_pair, tokenizer):

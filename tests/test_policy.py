@@ -68,6 +68,15 @@ def test_free_drafts_are_trimmed_per_source():
     assert policy.keep(3, 8) == policy.keep(0, 8)  # an unseen source starts from the prior
 
 
+def test_a_lookup_next_to_a_costly_draft_still_proposes_the_most():
+    """Hybrid drafting: a draft model that is rejected earns K = 0, but its lookup is free."""
+    policy = AdaptiveK(costs(0.2, [1.0, 1.05, 1.1, 1.15, 1.2]))
+    for _ in range(20):
+        policy.update(0, 2, 0)  # the draft model's tokens: rejected
+    assert policy.next_k() == 0
+    assert policy.next_k(free=True) == 4
+
+
 def test_optimal_k_with_a_verify_curve():
     assert optimal_k(0.8, 0.0, [1.0, 1.0, 1.0, 1.0]) == 3  # free verification: draft all
     assert optimal_k(0.8, 0.0, [1.0, 1.9, 2.8]) == 0  # every extra position costs ~ a step

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter, empty_draft
+from verispec.drafters.base import Draft, Drafter
+from verispec.drafters.batch import propose_batch
 from verispec.params import SamplingParams
 from verispec.policy import KPolicy
 from verispec.runtime import CachedModel
@@ -48,10 +49,10 @@ class Sequence:
         self.generated = 0
         self.finished = self.budget <= 0
 
-    def num_to_draft(self, k: int | None = None) -> int:
-        """Draft tokens to ask for: the policy's K (or k), but a round emits at least one token,
-        so drafting past budget - 1 is wasted."""
-        k = self.policy.next_k() if k is None else k
+    def num_to_draft(self, k: int | None = None, free: bool = False) -> int:
+        """Draft tokens to ask for: the policy's K (or k; free: for a lookup), but a round emits
+        at least one token, so drafting past budget - 1 is wasted."""
+        k = self.policy.next_k(free) if k is None else k
         return max(0, min(k, self.budget - self.generated - 1))
 
     def begin(self, draft: Draft) -> Round:
@@ -105,10 +106,10 @@ def speculate(
     sequence = Sequence(prompt_ids, params, policy, eos_ids, generator, stats,
                         target.max_positions)
     while not sequence.finished:
-        # 1. Draft.
-        num_draft = sequence.num_to_draft()
-        draft = (drafter.propose(sequence.history, num_draft, params, generator)
-                 if drafter is not None and num_draft > 0 else empty_draft())
+        # 1. Draft: a draft model up to its priced K, a lookup up to the free K.
+        draft = propose_batch([drafter], [sequence.history], [sequence.num_to_draft()], [params],
+                              [generator], free_ks=[sequence.num_to_draft(free=True)],
+                              policies=[policy])[0]
         # 2. One target pass over the K' + 1 positions that follow the history.
         round = sequence.begin(draft)
         target_logits = target.logits(round.ids, round.num_logits)  # [K'+1, V]

@@ -21,8 +21,9 @@ from verispec.theory import optimal_k
 
 
 class KPolicy(Protocol):
-    def next_k(self) -> int:
-        """How many tokens to ask the drafter for this round."""
+    def next_k(self, free: bool = False) -> int:
+        """How many tokens to ask the drafter for this round; free=True: for a proposal that
+        costs nothing to make (a lookup), which keep() then cuts by its kind."""
         ...
 
     def keep(self, source: int, proposed: int) -> int:
@@ -38,7 +39,7 @@ class KPolicy(Protocol):
 class FixedK:
     k: int
 
-    def next_k(self) -> int:
+    def next_k(self, free: bool = False) -> int:
         return self.k
 
     def keep(self, source: int, proposed: int) -> int:
@@ -56,7 +57,7 @@ class HeuristicK:
     k: int
     k_max: int = 16
 
-    def next_k(self) -> int:
+    def next_k(self, free: bool = False) -> int:
         return self.k
 
     def keep(self, source: int, proposed: int) -> int:
@@ -114,7 +115,8 @@ class AdaptiveK:
     A costly drafter (a draft model) gets its K before drafting, from the estimate for its one
     source. A free drafter (n-gram lookup) is asked for up to k_max tokens, and then only as many
     are verified as pay off for that proposal's source: a long n-gram match is accepted far more
-    often than a one-token match, and earns a longer K.
+    often than a one-token match, and earns a longer K. A drafter with both kinds (hybrid) asks
+    for both: next_k(free=True) for its lookup, next_k() for its draft model.
     """
 
     costs: CostModel
@@ -123,8 +125,8 @@ class AdaptiveK:
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
 
-    def next_k(self) -> int:
-        if self.costs.draft_step < CHEAP_DRAFT:
+    def next_k(self, free: bool = False) -> int:
+        if free or self.costs.draft_step < CHEAP_DRAFT:
             return self.costs.k_max
         return self._best_k(self.gamma(0))
 

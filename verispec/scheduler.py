@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter, follow_target
+from verispec.drafters.base import Drafter, follow_target
 from verispec.drafters.batch import propose_batch
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
-from verispec.policy import AdaptiveK
+from verispec.policy import CHEAP_DRAFT, AdaptiveK
 from verispec.runtime import CachedModel, batched_logits
 from verispec.sampling import make_generator
 from verispec.stats import StatsRecorder
@@ -113,9 +113,15 @@ class Scheduler:
         running = list(self.running)
         if not running:
             return []
-        # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes).
-        k = self._round_k(running)
-        drafts = self._propose(running, [r.sequence.num_to_draft(k) for r in running])
+        # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes),
+        #    a lookup up to the free K.
+        k, free_k = self._round_k(running)
+        drafts = propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
+                               [r.sequence.num_to_draft(k) for r in running],
+                               [r.params for r in running],
+                               [r.sequence.generator for r in running],
+                               [r.sequence.num_to_draft(free_k, free=True) for r in running],
+                               [r.sequence.policy for r in running])
         # 3. One target pass over every row's history + draft.
         rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
         logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
@@ -161,28 +167,23 @@ class Scheduler:
         if request.drafter is not None:
             self._free_drafters.append(request.drafter)
 
-    def _round_k(self, running: list[_Request]) -> int | None:
-        """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic);
-        under "auto" the batch shares one K priced at its batch size."""
+    def _round_k(self, running: list[_Request]) -> tuple[int | None, int | None]:
+        """The K this round drafts, and the K of free proposals (lookups): None leaves them to
+        each row's policy (fixed K, heuristic); under "auto" the batch shares one K priced at
+        its batch size, and lookups propose the most, each row cutting by source."""
         if self.decoder.drafter is None:
-            return 0
+            return 0, 0
         policies = [r.sequence.policy for r in running]
         if not all(isinstance(p, AdaptiveK) for p in policies):
-            return None
+            return None, None
         costs = self.decoder.batch_costs(len(running))
         for policy in policies:  # each row's own cut (AdaptiveK.keep) uses the batch's prices
             policy.costs = costs
-        if costs.draft_step < 0.01:  # a free drafter: propose the most, rows cut by source
-            return costs.k_max
+        if costs.draft_step < CHEAP_DRAFT:
+            return costs.k_max, costs.k_max
         gammas = [policy.gamma(0) for policy in policies]
         return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max,
-                               min_speedup=BATCH_MARGIN)
-
-    def _propose(self, running: list[_Request], ks: list[int]) -> list[Draft]:
-        """Every row's draft (`drafters.batch.propose_batch`)."""
-        return propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
-                             ks, [r.params for r in running],
-                             [r.sequence.generator for r in running])
+                               min_speedup=BATCH_MARGIN), costs.k_max
 
     def _advance(self, request: _Request, new_ids: list[int]) -> Event:
         """Text for the round's tokens; finish the request on a stop string, EOS or budget."""

@@ -9,27 +9,37 @@ from verispec.drafters.feature import FeatureDrafter, propose_features_together
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter, propose_together
 from verispec.params import SamplingParams
+from verispec.policy import KPolicy
 
 
 def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor], ks: list[int],
-                  params: list[SamplingParams], generators: list[torch.Generator | None]
-                  ) -> list[Draft]:
+                  params: list[SamplingParams], generators: list[torch.Generator | None],
+                  free_ks: list[int] | None = None,
+                  policies: list[KPolicy] | None = None) -> list[Draft]:
     """Drafter.propose for every row: lookups row by row; draft models and feature drafts in
-    lockstep, one pass per draft step for all their rows; a hybrid row looks up first and joins
-    the draft-model (or feature) rows when nothing matches. A row with no drafter or k = 0
-    drafts nothing."""
+    lockstep, one pass per draft step for all their rows; a hybrid row looks up first (up to
+    its free_ks tokens: a lookup costs nothing, so it may propose more than the draft model's
+    priced K) and joins the draft-model (or feature) rows, up to ks tokens, when nothing
+    matches, or when its row's policy would verify none of the lookup's tokens (policies:
+    `KPolicy.keep` by kind of match). free_ks defaults to ks. A row with no drafter or a budget
+    of 0 drafts nothing."""
+    free_ks = ks if free_ks is None else free_ks
     drafts: list[Draft] = [empty_draft() for _ in drafters]
     model_rows: list[tuple[int, ModelDrafter]] = []
     feature_rows: list[tuple[int, FeatureDrafter]] = []
     for i, drafter in enumerate(drafters):
+        if isinstance(drafter, HybridDrafter):
+            if free_ks[i] > 0:
+                draft = drafter.lookup.propose(histories[i], free_ks[i], params[i], None)
+                keep = len(draft) if policies is None else policies[i].keep(draft.source,
+                                                                            len(draft))
+                drafts[i] = draft.truncated(keep)
+            if len(drafts[i]):
+                continue
+            drafter = drafter.model
         if drafter is None or ks[i] == 0:
             continue
-        if isinstance(drafter, HybridDrafter):
-            drafts[i] = drafter.lookup.propose(histories[i], ks[i], params[i], None)
-            if not len(drafts[i]):
-                rows = feature_rows if isinstance(drafter.model, FeatureDrafter) else model_rows
-                rows.append((i, drafter.model))
-        elif isinstance(drafter, ModelDrafter):
+        if isinstance(drafter, ModelDrafter):
             model_rows.append((i, drafter))
         elif isinstance(drafter, FeatureDrafter):
             feature_rows.append((i, drafter))

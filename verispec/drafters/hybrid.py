@@ -26,7 +26,7 @@ class HybridDrafter:
 
     name = "hybrid"
 
-    def __init__(self, model: ModelDrafter | FeatureDrafter, min_match: int = 3,
+    def __init__(self, model: ModelDrafter | FeatureDrafter, min_match: int = 2,
                  max_ngram: int = 5) -> None:
         self.model = model
         self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_match)
