@@ -89,6 +89,13 @@ Weight weight_of(const torch::Tensor& packed, const torch::Tensor& bias,
           int8 ? scales.data_ptr<float>() : nullptr, n, packed.size(1) * 2};
 }
 
+// GCC declares _tile_loadconfig as reading 8 bytes, so stores that fill the rest of the 64-byte
+// config may be dropped as dead (seen with -O3: a #GP at ldtilecfg); a memory clobber keeps them.
+__attribute__((target("amx-tile"))) inline void load_tile_config(const TileConfig& config) {
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
 __attribute__((target("amx-tile,amx-bf16"))) void configure_tiles(int64_t rows) {
   TileConfig config;
   for (int tile = 0; tile < 3; tile++) {  // 0, 1: C; 2: A (rows x 32 of K)
@@ -99,7 +106,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure_tiles(int64_t rows) 
     config.rows[tile] = 16;
     config.colsb[tile] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // One K tile of B, int8 -> bfloat16: 16 pairs of K x 32 features x 2.
@@ -391,7 +398,7 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
     config.rows[tile] = 16;
     config.colsb[tile] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
   alignas(64) float block_scores[16 * 16];
   alignas(64) bf16 staged[16 * MAX_HEAD_DIM];
   // 2. Scores, 16 keys at a time (a block past the cache's end is staged, zero-padded).
@@ -443,7 +450,7 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
   }
   for (int64_t columns = 0; columns < d; columns += 64) {  // up to 4 C tiles at a time
     const int64_t tiles = std::min<int64_t>(4, (d - columns) / 16);
-    _tile_loadconfig(&config);
+    load_tile_config(config);
     for (int64_t t = 0; t < tiles; t++) tile_zero(t);
     for (int64_t first = 0; first < padded; first += 32) {
       for (int64_t r = 0; r < 16; r++) {  // interleave value rows first+2r, first+2r+1

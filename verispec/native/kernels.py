@@ -1,6 +1,6 @@
 """verispec's C++ CPU kernels (kernels.cpp): AMX bfloat16 linear layers and a whole decoder
-forward in one call. Built with the system compiler on first use (~40 s, once per machine and
-torch version, cached in $XDG_CACHE_HOME/verispec/kernels, by default ~/.cache/verispec/kernels)
+forward in one call. Built with the system compiler on first use (~40 s, once per machine,
+torch version and kernels.cpp, cached in $XDG_CACHE_HOME/verispec/kernels, by default ~/.cache/verispec/kernels)
 and used only where they can run: a CPU with AMX and AVX512-BF16, bfloat16 weights. Everywhere
 else the runtime stays in PyTorch.
 
@@ -9,6 +9,7 @@ VERISPEC_KERNELS=0 turns them off (the PyTorch path, for comparison)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -35,10 +36,13 @@ def _cpu_has_amx() -> bool:
 
 
 def _build_directory() -> Path:
+    """One folder per torch version and kernels.cpp: a process that has the library loaded
+    never sees it rebuilt under it by another verispec version."""
     from verispec.loading import cache_root
 
-    folder = cache_root().parent / "kernels" / f"torch-{torch.__version__}"  # beside models/
-    folder.mkdir(parents=True, exist_ok=True)
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    folder = cache_root().parent / "kernels" / f"torch-{torch.__version__}-{source}"
+    folder.mkdir(parents=True, exist_ok=True)  # beside models/
     return folder
 
 
