@@ -1,8 +1,8 @@
 """verispec's C++ CPU kernels (kernels.cpp): AMX bfloat16 linear layers and a whole decoder
 forward in one call. Built with the system compiler on first use (~40 s, once per machine,
 torch version and kernels.cpp), cached in $XDG_CACHE_HOME/verispec/kernels (by default
-~/.cache/verispec/kernels), and used only where they can run: a CPU with AMX and AVX512-BF16, bfloat16 weights. Everywhere
-else the runtime stays in PyTorch.
+~/.cache/verispec/kernels), and used only where they can run: a CPU with AMX and AVX512-BF16,
+bfloat16 weights. Everywhere else the runtime stays in PyTorch.
 
 VERISPEC_KERNELS=0 turns them off (the PyTorch path, for comparison)."""
 
