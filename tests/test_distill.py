@@ -4,6 +4,7 @@ small draft folder that loads and drafts losslessly, and the guards around it.""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -226,6 +227,21 @@ def test_a_run_on_the_first_shards_writes_only_those_and_says_how_to_redo_it(run
     assert "--train-shards 1 " in command_line(short) + " "
 
 
+def test_a_run_trains_on_the_shards_of_earlier_runs_too(run, config):
+    more = replace(config, out=config.out.parent / "more", train_shards=1, steps=2, seed=1,
+                   extra_data=(config.out,))
+    distill(more)
+    log = (more.out / "train.log").read_text()
+    # its own shard of 8 prompts and the first run's 3 shards
+    assert "3 extra training shards from 1 earlier runs" in log
+    assert re.search(r"head of \d+ tokens, 32 training sequences", log)
+    other = replace(more, out=config.out.parent / "other-topk", topk=4)
+    with pytest.raises(ValueError, match="topk"):
+        distill(other)
+    with pytest.raises(ValueError, match="not a run folder"):
+        distill(replace(more, out=config.out.parent / "nowhere", extra_data=(more.out / "x",)))
+
+
 def test_the_command_line_of_a_config_parses_back_to_that_config(tmp_path):
     import shlex
     from dataclasses import fields
@@ -235,7 +251,8 @@ def test_the_command_line_of_a_config_parses_back_to_that_config(tmp_path):
 
     config = DistillConfig(out=tmp_path / "run", kind="feature", num_prompts=100, self_prompts=7,
                            greedy_fraction=0.5, chat=False, train_head=True, seq_len=256,
-                           train_shards=3, train_batch=4, lr=3e-4)
+                           train_shards=3, train_batch=4, lr=3e-4,
+                           extra_data=(tmp_path / "a", tmp_path / "b"))
     args = build_parser().parse_args(shlex.split(command_line(config))[1:])
     names = {field.name for field in fields(DistillConfig)}
     assert DistillConfig(**{k: v for k, v in vars(args).items() if k in names}) == config

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from verispec.bench.config import ALL_METHODS, DEFAULT_METHODS
 from verispec.errors import VerispecError
@@ -230,6 +231,9 @@ def add_distill_command(commands) -> None:
     distill.add_argument("--no-chat", action="store_false", dest="chat",
                          help="prompts as plain text, without the chat template")
     distill.add_argument("--topk", type=int, help="target log-probabilities kept per position")
+    distill.add_argument("--extra-data", nargs="+", type=Path, metavar="RUN",
+                         help="train also on the data shards of earlier runs (their folders) "
+                              "on the same target")
     distill.add_argument("--kind", choices=("layers", "feature"),
                          help="layers: a small LM on token embeddings (default); feature: an "
                               "EAGLE-style head reading the target's hidden states")

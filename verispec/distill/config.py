@@ -34,6 +34,8 @@ class DistillConfig:
     greedy_fraction: float = 0.25  # share of response rows decoded greedily
     topk: int = 16  # target log-probabilities kept per position
     chat: bool = True  # apply the chat template when the tokenizer has one
+    extra_data: tuple[Path, ...] = ()  # run folders of earlier runs on the same target whose
+    # training shards are trained on too (their held-out shards are not)
     # Draft and training.
     kind: str = "layers"  # "layers": a small LM on token embeddings; "feature": an EAGLE-style
     # head on the target's features (needs the native runtime at inference)
@@ -50,6 +52,7 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "extra_data", tuple(Path(p) for p in self.extra_data))
         positive = ("num_prompts", "eval_prompts", "shard_prompts", "max_new_tokens",
                     "batch_size", "topk", "layers", "head_vocab", "steps", "seq_len",
                     "checkpoint_every")

@@ -93,6 +93,7 @@ def distill(config: DistillConfig) -> DistillResult:
 def _run(config: DistillConfig) -> DistillResult:
     out, data = config.out, config.out / "data"
     log.info("distill: %s on %s", config, config.torch_device)
+    extra = extra_shards(config)  # checked before any data is written
     model, tokenizer = loading.load(config.target, device=str(config.torch_device))
     if tokenizer is None:
         raise ValueError("distillation needs the target's tokenizer; this target has none")
@@ -106,6 +107,7 @@ def _run(config: DistillConfig) -> DistillResult:
                  config.greedy_fraction, config.topk, data / "progress.json")
     heldout = load_shard(plans[0].path)
     sequences = [seq for plan in plans[1:] for seq in load_shard(plan.path)]
+    sequences += [seq for path in extra for seq in load_shard(path)]
     # 3. The head vocabulary: the checkpoint's when resuming, else from the training data.
     vocab_size = int(model.get_input_embeddings().weight.shape[0])
     checkpoint = out / "ckpt.pt"
@@ -215,6 +217,8 @@ def command_line(config: DistillConfig) -> str:
         flag = flags.get(name, "--" + name.replace("_", "-"))
         if isinstance(value, bool):  # a switch: --train-head, --no-chat
             parts.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif isinstance(value, tuple):  # several values: --extra-data A B
+            parts.append(" ".join([flag, *map(str, value)]))
         else:
             parts.append(f"{flag} {value}")
     return " ".join(parts)
@@ -235,6 +239,30 @@ def _prepare_run_folder(config: DistillConfig) -> None:
                              f"({', '.join(f'{k}={saved.get(k)!r}' for k in changed)})")
     manifest_path.parent.mkdir(parents=True, exist_ok=True)
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def extra_shards(config: DistillConfig) -> list[Path]:
+    """The training shards of the runs in config.extra_data, checked to hold the same kind of
+    data as this run's (target, chat template, top-k)."""
+    shards = []
+    mine = config.data_manifest()
+    for run in config.extra_data:
+        manifest_path = run / "data" / "manifest.json"
+        if not manifest_path.is_file():
+            raise ValueError(f"--extra-data {run}: no data/manifest.json there (not a run folder)")
+        theirs = json.loads(manifest_path.read_text())
+        changed = [k for k in ("target", "chat", "topk") if theirs.get(k) != mine[k]]
+        if changed:
+            raise ValueError(f"--extra-data {run}: its data was made with other settings "
+                             f"({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)})")
+        found = sorted((run / "data").glob("shard-*.safetensors"))
+        if not found:
+            raise ValueError(f"--extra-data {run}: no training shards written there yet")
+        shards += found
+    if shards:
+        log.info("distill: %d extra training shards from %d earlier runs", len(shards),
+                 len(config.extra_data))
+    return shards
 
 
 def build_prompts(teacher: Teacher, config: DistillConfig, path: Path) -> list[str]:
