@@ -83,7 +83,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", default="default",
                         help="draft model folder/.gguf, 'ngram', 'none' (plain decoding) or "
-                             "'default' (the best drafter shipped for the target)")
+                             "'default' (the draft shipped for the target with n-gram lookup, "
+                             "else n-gram lookup)")
     add_runtime_args(parser)
     parser.add_argument("--device", default="cpu")
 

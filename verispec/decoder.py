@@ -139,9 +139,9 @@ class SpeculativeDecoder:
         int8: bool = False,
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
-        draft: "default" (a draft shipped for the target, else n-gram lookup), "hybrid:PATH",
-        "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None (plain
-        decoding). k: "auto" (default: chosen each round from measured costs and the running
+        draft: "default" (a draft shipped for the target, with lookup; else n-gram lookup),
+        "hybrid:PATH", "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None
+        (plain decoding). k: "auto" (default: chosen each round from measured costs and the running
         acceptance rate), a fixed number of draft tokens per round, or "heuristic"
         (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
         Llama-family models, transformers otherwise), "native" or "hf". dtype: "auto" (bfloat16
@@ -264,14 +264,15 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
                  device: str = "cpu", runtime: str = "auto", int8: bool = False,
                  target_spec=None) -> Drafter | None:
     """Build the drafter that `draft` names: None / "none", "ngram", a model path, or "default":
-    the draft shipped for the target (`target_spec`, as given to `loading.load`), if any, else
-    n-gram lookup; "hybrid" / "hybrid:PATH": n-gram lookup where the text repeats itself, the
-    shipped draft (or the one at PATH) elsewhere. A draft model
-    runs on the same runtime, dtype and quantization as the target."""
+    the draft shipped for the target (`target_spec`, as given to `loading.load`), if any, paired
+    with n-gram lookup as "hybrid" does, else n-gram lookup; "hybrid" / "hybrid:PATH": n-gram
+    lookup where the text repeats itself, the shipped draft (or the one at PATH) elsewhere. A
+    draft model runs on the same runtime, dtype and quantization as the target."""
     if draft is None or draft == "none":
         return None
-    if draft == "default":
-        draft = loading.default_draft(target_spec) or "ngram"
+    if draft == "default":  # the shipped draft with lookup where the text repeats, else lookup
+        shipped = loading.default_draft(target_spec)
+        draft = "ngram" if shipped is None else f"hybrid:{shipped}"
     if draft == "ngram":
         return NgramDrafter()
     if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):
