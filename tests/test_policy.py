@@ -77,6 +77,17 @@ def test_a_lookup_next_to_a_costly_draft_still_proposes_the_most():
     assert policy.next_k(free=True) == 4
 
 
+def test_a_row_of_a_batch_pays_its_share_of_the_bigger_pass():
+    batch = costs(0.0, [1.0, 1.2, 1.4, 1.8])
+    share = batch.row_share(4)
+    assert share.verify == pytest.approx((1.0, 1.05, 1.1, 1.2))
+    assert share.draft_step == batch.draft_step and share.target_step_s == batch.target_step_s
+    # a lookup accepted 15% of the time does not pay for a pass where every row grows, and
+    # pays for one token where only its row does
+    assert optimal_k(0.15, 0.0, batch.verify) == 0 and optimal_k(0.15, 0.0, share.verify) == 1
+    assert optimal_k(0.5, 0.0, batch.verify) == 1 and optimal_k(0.5, 0.0, share.verify) == 2
+
+
 def test_optimal_k_with_a_verify_curve():
     assert optimal_k(0.8, 0.0, [1.0, 1.0, 1.0, 1.0]) == 3  # free verification: draft all
     assert optimal_k(0.8, 0.0, [1.0, 1.9, 2.8]) == 0  # every extra position costs ~ a step

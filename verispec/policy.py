@@ -10,6 +10,7 @@ decoding step) when nothing pays.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -81,6 +82,14 @@ class CostModel:
     @property
     def k_max(self) -> int:
         return len(self.verify) - 1
+
+    def row_share(self, batch: int) -> CostModel:
+        """The prices one row of a batch sees for its own extra positions, when the other rows
+        keep theirs: v_row(n) = 1 + (v(n) - 1) / batch, since v(n) is measured with every row
+        at n positions and the pass grows with the positions it holds (linearly, between the
+        measured points). Example: batch 4, v(5) = 1.40 -> v_row(5) = 1.10."""
+        return dataclasses.replace(self, verify=tuple(1.0 + (v - 1.0) / batch
+                                                      for v in self.verify))
 
 
 @dataclass(slots=True)

@@ -16,7 +16,9 @@ the same seed).
 
 K for a round: with k="auto" the batch shares the K that maximises expected tokens per unit of
 time at this batch size (`theory.batch_optimal_k`, costs measured per batch size), shrinking to
-0 (plain batched decoding) when the bigger verification pass stops paying.
+0 (plain batched decoding) when the bigger verification pass stops paying. Lookups cost nothing
+to propose: each row verifies as many of its lookup's tokens as pay for its own share of the
+bigger pass (`CostModel.row_share`).
 """
 
 from __future__ import annotations
@@ -177,8 +179,9 @@ class Scheduler:
         if not all(isinstance(p, AdaptiveK) for p in policies):
             return None, None
         costs = self.decoder.batch_costs(len(running))
-        for policy in policies:  # each row's own cut (AdaptiveK.keep) uses the batch's prices
-            policy.costs = costs
+        row_costs = costs.row_share(len(running))
+        for policy in policies:  # each row's own cut (AdaptiveK.keep) pays its share of a pass
+            policy.costs = row_costs
         if costs.draft_step < CHEAP_DRAFT:
             return costs.k_max, costs.k_max
         gammas = [policy.gamma(0) for policy in policies]
