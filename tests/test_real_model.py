@@ -91,3 +91,30 @@ def test_native_runtime_matches_transformers_on_smollm2(smollm):
     hf = SpeculativeDecoder(model, tokenizer, None, runtime="hf").generate(PROMPTS[1], params)
     fp32 = SpeculativeDecoder(model, tokenizer, None, runtime=native).generate(PROMPTS[1], params)
     assert fp32.token_ids == hf.token_ids
+
+
+def test_the_shipped_draft_is_the_default_and_keeps_greedy_exact(smollm):
+    """The draft distilled for SmolLM2 ships in the package and is the default drafter (with
+    n-gram lookup); greedy output stays the target's, and its own proposals are accepted."""
+    from verispec.drafters import HybridDrafter
+    from verispec.drafters.feature import FeatureDrafter
+
+    model, tokenizer = smollm
+    assert loading.default_draft(None) == loading.EMBEDDED_DRAFT
+    spec = SpeculativeDecoder.from_pretrained()
+    assert isinstance(spec.drafter, HybridDrafter)
+    assert isinstance(spec.drafter.model, FeatureDrafter)
+    plain = SpeculativeDecoder(model, tokenizer, drafter=None, runtime=spec.target)
+    draft_only = SpeculativeDecoder(model, tokenizer, spec.drafter.model.fork(), k=3,
+                                    runtime=spec.target)
+    params = SamplingParams(max_new_tokens=48)
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, params).token_ids
+        assert spec.generate(prompt, params).token_ids == expected
+        got = draft_only.generate(prompt, params)
+        assert got.token_ids == expected
+        accepted += got.stats.accepted
+    assert accepted >= 20  # the draft alone: a fair share of its 3-token proposals pass
+    hf = SpeculativeDecoder.from_pretrained(runtime="hf")  # no features there: lookup instead
+    assert isinstance(hf.drafter, NgramDrafter)

@@ -272,7 +272,8 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
         return None
     if draft == "default":  # the shipped draft with lookup where the text repeats, else lookup
         shipped = loading.default_draft(target_spec)
-        draft = "ngram" if shipped is None else f"hybrid:{shipped}"
+        # (the shipped draft reads the target's features, which transformers' runtime lacks)
+        draft = "ngram" if shipped is None or runtime == "hf" else f"hybrid:{shipped}"
     if draft == "ngram":
         return NgramDrafter()
     if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):

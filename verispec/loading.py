@@ -161,9 +161,9 @@ EMBEDDED_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-instruct"  # distilled by `veris
 
 
 def default_draft(target_spec: str | os.PathLike | None) -> Path | None:
-    """The draft shipped for a target: a distilled SmolLM2 draft in EMBEDDED_DRAFT when one is
-    shipped and the target is the embedded default model (given as None or as the path of its
-    GGUF), else None. None is shipped yet: the first distilled draft lost to n-gram lookup."""
+    """The draft shipped for a target: the feature draft distilled for SmolLM2 (EMBEDDED_DRAFT,
+    its model card says how it was made) when the target is the embedded default model (given
+    as None or as the path of its GGUF), else None."""
     if not (EMBEDDED_DRAFT / "config.json").is_file():
         return None
     if target_spec is None:
