@@ -19,7 +19,7 @@ PROMPT ?= Explain in three sentences what a KV cache is and why it speeds up tex
 setup: .venv/.installed
 
 demo: .venv/.installed
-	HF_HUB_OFFLINE=1 .venv/bin/verispec generate "$(PROMPT)" --draft ngram --max-new-tokens 128
+	HF_HUB_OFFLINE=1 .venv/bin/verispec generate "$(PROMPT)" --max-new-tokens 128
 
 test: .venv/.installed
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
