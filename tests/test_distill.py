@@ -242,6 +242,37 @@ def test_a_run_trains_on_the_shards_of_earlier_runs_too(run, config):
         distill(replace(more, out=config.out.parent / "nowhere", extra_data=(more.out / "x",)))
 
 
+def test_self_prompt_replies_resume_where_they_stopped(target, tmp_path, monkeypatch):
+    from verispec.distill.data import Teacher, generate_texts
+
+    teacher = Teacher(*target, chat=True)
+    requests = [f"Ask a question about topic {i}." for i in range(10)]
+    whole = generate_texts(teacher, requests, 8, 2, 1.0, seed=5)
+    checkpoint = tmp_path / "replies.json"
+    calls, sample = [], teacher.sample
+
+    def interrupted(*args):  # the second chunk of 4 * batch_size rows never finishes
+        calls.append(1)
+        if len(calls) == 2:
+            raise Interrupted
+        return sample(*args)
+
+    monkeypatch.setattr(teacher, "sample", interrupted)
+    with pytest.raises(Interrupted):
+        generate_texts(teacher, requests, 8, 2, 1.0, seed=5, checkpoint=checkpoint)
+    assert len(json.loads(checkpoint.read_text())["replies"]) == 8
+    resumed_rows = []
+
+    def counted(prompts, *args):
+        resumed_rows.append(len(prompts))
+        return sample(prompts, *args)
+
+    monkeypatch.setattr(teacher, "sample", counted)
+    assert generate_texts(teacher, requests, 8, 2, 1.0, seed=5, checkpoint=checkpoint) == whole
+    assert resumed_rows == [2]  # only the rows that were missing
+    assert len(set(whole)) > 1
+
+
 def test_the_command_line_of_a_config_parses_back_to_that_config(tmp_path):
     import shlex
     from dataclasses import fields

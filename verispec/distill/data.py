@@ -115,12 +115,27 @@ class Teacher:
 
 
 def generate_texts(teacher: Teacher, requests: list[str], max_new_tokens: int, batch_size: int,
-                   temperature: float, seed: int) -> list[str]:
-    """The target's decoded replies to `requests` (used to write self-prompts)."""
-    prompts = [teacher.encode(text) for text in requests]
-    responses = teacher.sample(prompts, max_new_tokens, [temperature] * len(prompts),
-                               [seed + i for i in range(len(prompts))], batch_size)
-    return [teacher.decode(r) for r in responses]
+                   temperature: float, seed: int, checkpoint: Path | None = None,
+                   desc: str = "replies") -> list[str]:
+    """The target's decoded replies to `requests` (used to write self-prompts), reply i sampled
+    with seed + i. With a checkpoint file the replies so far are saved every few batches and a
+    rerun continues from them: a reply does not depend on which rows shared its batch, so a
+    resumed run writes what an uninterrupted one would."""
+    replies = json.loads(checkpoint.read_text())["replies"] \
+        if checkpoint is not None and checkpoint.is_file() else []
+    chunk = 4 * batch_size
+    bar = tqdm(total=len(requests), initial=len(replies), desc=desc, unit="reply", disable=None)
+    for first in range(len(replies), len(requests), chunk):
+        texts = requests[first:first + chunk]
+        responses = teacher.sample([teacher.encode(text) for text in texts], max_new_tokens,
+                                   [temperature] * len(texts),
+                                   [seed + first + i for i in range(len(texts))], batch_size)
+        replies += [teacher.decode(r) for r in responses]
+        if checkpoint is not None:
+            _write_atomic(checkpoint, json.dumps({"replies": replies}).encode())
+        bar.update(len(texts))
+    bar.close()
+    return replies
 
 
 @dataclass(frozen=True, slots=True)

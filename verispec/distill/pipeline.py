@@ -270,7 +270,7 @@ def build_prompts(teacher: Teacher, config: DistillConfig, path: Path) -> list[s
     when more are needed than there are). Written once to `path`, read back when resuming."""
     if path.is_file():
         return json.loads(path.read_text())["prompts"]
-    written = self_prompts(teacher, config)
+    written = self_prompts(teacher, config, path.parent)
     rng = random.Random(derived_seed(config.seed, "prompts"))
     builtin = builtin_prompts()
     rng.shuffle(builtin)
@@ -284,17 +284,20 @@ def build_prompts(teacher: Teacher, config: DistillConfig, path: Path) -> list[s
     return prompts
 
 
-def self_prompts(teacher: Teacher, config: DistillConfig) -> list[str]:
+def self_prompts(teacher: Teacher, config: DistillConfig, data: Path) -> list[str]:
     """Prompts the target writes: half questions about topics, half summarise/extract requests
-    over paragraphs it wrote. Empty replies are dropped."""
+    over paragraphs it wrote. Empty replies are dropped. The replies so far are kept in
+    data/self-questions.json and data/self-passages.json: a resumed run continues them."""
     seed = derived_seed(config.seed, "self-prompts")
     questions = config.self_prompts // 2
     asked = generate_texts(teacher, question_requests(questions, seed),
                            min(SELF_QUESTION_TOKENS, config.max_new_tokens), config.batch_size,
-                           config.temperature, seed)
+                           config.temperature, seed, data / "self-questions.json",
+                           "self-prompts: questions")
     passages = generate_texts(teacher, passage_requests(config.self_prompts - questions, seed),
                               min(SELF_PASSAGE_TOKENS, config.max_new_tokens), config.batch_size,
-                              config.temperature, seed + 1)
+                              config.temperature, seed + 1, data / "self-passages.json",
+                              "self-prompts: passages")
     return [q for q in asked if q] + [summary_prompt(i, p) for i, p in enumerate(passages) if p]
 
 
