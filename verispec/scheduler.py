@@ -116,13 +116,13 @@ class Scheduler:
         if not running:
             return []
         # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes),
-        #    a lookup up to the free K.
-        k, free_k = self._round_k(running)
+        #    a lookup up to its policy's free K.
+        k = self._round_k(running)
         drafts = propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
                                [r.sequence.num_to_draft(k) for r in running],
                                [r.params for r in running],
                                [r.sequence.generator for r in running],
-                               [r.sequence.num_to_draft(free_k, free=True) for r in running],
+                               [r.sequence.num_to_draft(free=True) for r in running],
                                [r.sequence.policy for r in running])
         # 3. One target pass over every row's history + draft.
         rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
@@ -169,24 +169,24 @@ class Scheduler:
         if request.drafter is not None:
             self._free_drafters.append(request.drafter)
 
-    def _round_k(self, running: list[_Request]) -> tuple[int | None, int | None]:
-        """The K this round drafts, and the K of free proposals (lookups): None leaves them to
-        each row's policy (fixed K, heuristic); under "auto" the batch shares one K priced at
-        its batch size, and lookups propose the most, each row cutting by source."""
+    def _round_k(self, running: list[_Request]) -> int | None:
+        """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic);
+        under "auto" the batch shares one K priced at its batch size, and each row's policy is
+        given the batch's prices for its own cut of free proposals (lookups)."""
         if self.decoder.drafter is None:
-            return 0, 0
+            return 0
         policies = [r.sequence.policy for r in running]
         if not all(isinstance(p, AdaptiveK) for p in policies):
-            return None, None
+            return None
         costs = self.decoder.batch_costs(len(running))
         row_costs = costs.row_share(len(running))
         for policy in policies:  # each row's own cut (AdaptiveK.keep) pays its share of a pass
             policy.costs = row_costs
         if costs.draft_step < CHEAP_DRAFT:
-            return costs.k_max, costs.k_max
+            return costs.k_max
         gammas = [policy.gamma(0) for policy in policies]
         return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max,
-                               min_speedup=BATCH_MARGIN), costs.k_max
+                               min_speedup=BATCH_MARGIN)
 
     def _advance(self, request: _Request, new_ids: list[int]) -> Event:
         """Text for the round's tokens; finish the request on a stop string, EOS or budget."""
