@@ -1,8 +1,9 @@
 import pytest
 import torch
+from conftest import chi2_pvalue
 
 from verispec import SamplingParams
-from verispec.sampling import warp
+from verispec.sampling import sample, warp
 
 LOGITS = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
 
@@ -57,3 +58,38 @@ def test_bad_params_are_clear_errors(bad):
 
 def test_stop_accepts_a_single_string():
     assert SamplingParams(stop="\n").stop == ("\n",)
+
+
+def _sample_counts(probs: torch.Tensor, draws: int, seed: int) -> torch.Tensor:
+    """Counts [B, V] of `draws` calls of sample(probs) with one seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros_like(probs)
+    rows = torch.arange(probs.shape[0])
+    for _ in range(draws):
+        counts[rows, sample(probs, generator)] += 1
+    return counts
+
+
+def test_sample_draws_each_row_from_its_distribution():
+    # Unnormalised rows, zeros inside and at both ends, a tiny mass: 20k draws a row.
+    probs = torch.tensor([[0.0, 5.0, 0.0, 2.5, 2.5, 0.0, 0.01],
+                          [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
+    counts = _sample_counts(probs, 20_000, seed=0)
+    assert (counts[probs == 0] == 0).all()  # a token of probability 0 is never drawn
+    for row in range(2):
+        assert chi2_pvalue(counts[row], probs[row]) > 1e-3
+    # Negative control: the same counts against a distribution 5% off on one token must fail.
+    skewed = probs[0].clone()
+    skewed[1] *= 1.05
+    assert chi2_pvalue(counts[0], skewed) < 1e-3
+
+
+def test_sample_never_draws_zero_mass_tokens_of_a_large_vocabulary():
+    generator = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(4, 49152, generator=generator) * 4, dim=-1)
+    probs[:, 1::2] = 0.0  # half the vocabulary, interleaved
+    probs[:, -1] = 0.0
+    for _ in range(200):
+        tokens = sample(probs, generator)
+        assert (tokens % 2 == 0).all() and (tokens < 49151).all()
