@@ -3,7 +3,7 @@ import torch
 from conftest import chi2_pvalue
 
 from verispec import SamplingParams
-from verispec.sampling import sample, warp
+from verispec.sampling import greedy_tokens, sample, warp
 
 LOGITS = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
 
@@ -93,3 +93,11 @@ def test_sample_never_draws_zero_mass_tokens_of_a_large_vocabulary():
     for _ in range(200):
         tokens = sample(probs, generator)
         assert (tokens % 2 == 0).all() and (tokens < 49151).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_is_argmax_with_first_index_on_ties(dtype):
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 5, (3, 7, 1000), generator=generator).to(dtype)  # many ties
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(torch.tensor([[1.0, 3.0, 3.0, 0.0]])).tolist() == [1]

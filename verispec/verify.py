@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling import sample
+from verispec.sampling import greedy_tokens, sample
 
 PAD_TOKEN = -1  # fills `tokens` after the last emitted token of a row
 
@@ -100,7 +100,7 @@ def greedy_verify(
 
     Example: draft [[5, 7, 9]], target argmax [[5, 7, 2, 4]] -> tokens [[5, 7, 2, -1]], 2 accepted.
     """
-    target_choice = target_logits.argmax(dim=-1)  # [B, K+1]
+    target_choice = greedy_tokens(target_logits)  # [B, K+1]
     num_draft = draft_tokens.shape[1]
     matches = draft_tokens == target_choice[:, :num_draft]
     num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # [B]

@@ -22,7 +22,7 @@ from verispec.errors import IncompatibleDraftError
 from verispec.native.llama import LayerWeights, Linear, LlamaShape, NativeLlama, RowPass
 from verispec.params import SamplingParams
 from verispec.runtime import common_prefix
-from verispec.sampling import sample, warp
+from verispec.sampling import greedy_tokens, sample, warp
 
 
 class FeatureDrafter:
@@ -113,12 +113,12 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
     probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     for step in range(max(ks[i] for i in rows)):
         # 2. Each drafting row draws its next token from its own warped distribution.
-        for i, row_logits in zip(rows, logits, strict=True):
-            row_logits = fit_vocab(row_logits, drafters[i].vocab_size,
-                                   drafters[i].head_token_ids)  # [1, V]
-            if params[i].greedy:
-                token = row_logits.argmax(dim=-1).cpu()  # [1]
+        for i, head_logits in zip(rows, logits, strict=True):  # [1, Vh]
+            if params[i].greedy:  # the head's best token, without spreading it over V
+                token = drafters[i].head_token_ids[greedy_tokens(head_logits).cpu()]  # [1]
             else:
+                row_logits = fit_vocab(head_logits, drafters[i].vocab_size,
+                                       drafters[i].head_token_ids)  # [1, V]
                 draft_probs = warp(row_logits, params[i])  # [1, V]
                 token = sample(draft_probs, generators[i]).cpu()
                 probs[i].append(draft_probs[0])

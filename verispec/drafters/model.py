@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 from verispec.drafters.base import Draft, empty_draft
 from verispec.params import SamplingParams
 from verispec.runtime import CachedModel, batched_logits
-from verispec.sampling import sample, warp
+from verispec.sampling import greedy_tokens, sample, warp
 
 
 class ModelDrafter:
@@ -87,7 +87,7 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
         for i, row_logits in zip(rows, logits, strict=True):
             row_logits = drafters[i]._fit_vocab(row_logits)  # [1, V]
             if params[i].greedy:
-                token = row_logits.argmax(dim=-1).cpu()  # [1]
+                token = greedy_tokens(row_logits).cpu()  # [1]
             else:
                 draft_probs = warp(row_logits, params[i])  # [1, V]
                 token = sample(draft_probs, generators[i]).cpu()
