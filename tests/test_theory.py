@@ -1,6 +1,8 @@
 import pytest
+import torch
 
-from verispec.theory import expected_speedup, expected_tokens, optimal_k
+from verispec.theory import expected_speedup, expected_tokens, optimal_k, sampled_acceptance
+from verispec.verify import rejection_sample
 
 
 def test_expected_tokens_formula_values():
@@ -42,3 +44,22 @@ def test_batch_optimal_k_needs_the_margin_to_speculate():
     assert batch_optimal_k([0.23] * 4, 0.091, costs) == 1  # predicted +1.6%
     assert batch_optimal_k([0.23] * 4, 0.091, costs, min_speedup=1.10) == 0
     assert batch_optimal_k([0.9] * 4, 0.0, costs, min_speedup=1.10) == 2
+
+
+def test_sampled_acceptance_is_the_verifiers_acceptance_rate():
+    # 40k rows, K = 1: draft tokens drawn from q, verified against p by rejection_sample; the
+    # share accepted must match sum min(p, q) (standard error ~0.0025, tolerance 4 of them).
+    generator = torch.Generator().manual_seed(3)
+    target = torch.softmax(torch.randn(12, generator=generator) * 2, dim=-1)
+    draft = torch.softmax(torch.randn(12, generator=generator) * 2, dim=-1)
+    rows = 40_000
+    draft_tokens = torch.multinomial(draft, rows, replacement=True, generator=generator)[:, None]
+    _, accepted = rejection_sample(draft_tokens, draft.expand(rows, 1, -1),
+                                   target.expand(rows, 2, -1), generator)
+    rate, expected = accepted.float().mean().item(), float(sampled_acceptance(target, draft))
+    assert abs(rate - expected) < 0.01
+    assert 0.2 < expected < 0.9  # a case where the check has power
+    assert abs(float(sampled_acceptance(target, target)) - 1.0) < 1e-6
+    # Negative control: a wrong formula (accepting x with probability p(x), the rate of a
+    # deterministic draft: sum p q) is told apart from the measured rate.
+    assert abs(rate - float((target * draft).sum())) > 0.05

@@ -251,6 +251,9 @@ def add_distill_command(commands) -> None:
     distill.add_argument("--train-shards", type=int, metavar="N", help="write and train on only "
                          "the first N shards of the prompt plan")
     distill.add_argument("--lr", type=float)
+    distill.add_argument("--tv-weight", type=float, help="feature drafts: weight of the total "
+                         "variation distance (sampling's rejection rate) in the loss, relative "
+                         "to the KL (default 0)")
     distill.add_argument("--seq-len", type=int, help="training sequences are cut to this length")
     distill.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     distill.add_argument("--seed", type=int)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 
 def expected_tokens(gamma: float, k: int) -> float:
     """Expected tokens emitted per target pass: (1 - gamma^(k+1)) / (1 - gamma)."""
@@ -83,6 +85,15 @@ def batch_optimal_k(
         if speedup > best + 1e-12:
             best_k, best = k, speedup
     return best_k
+
+
+def sampled_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """The chance that rejection sampling accepts one token drawn from the draft:
+    sum over x of min(p(x), q(x)) = 1 - TV(p, q), for probs [..., V] -> [...].
+
+    Example: p = [.5, .5, 0], q = [.25, .25, .5] -> .25 + .25 + 0 = .5.
+    """
+    return torch.minimum(target_probs, draft_probs).sum(dim=-1)
 
 
 def _check_gamma(gamma: float) -> None:

@@ -44,6 +44,8 @@ class DistillConfig:
     train_head: bool = False  # False: head rows frozen to the target's (not stored)
     steps: int = 800
     lr: float = 1e-3
+    tv_weight: float = 0.0  # feature drafts: weight of the total variation distance in the
+    # loss (1 - TV is the acceptance of a sampled draft token), relative to the KL
     seq_len: int = 512  # sequences are cut to this many tokens for training
     checkpoint_every: int = 100
     seed: int = 0
@@ -70,6 +72,8 @@ class DistillConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 <= self.greedy_fraction <= 1:
             raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}")
+        if not self.tv_weight >= 0:
+            raise ValueError(f"tv_weight must be >= 0, got {self.tv_weight}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.kind not in ("layers", "feature"):

@@ -42,6 +42,7 @@ from verispec.distill.model import (
 )
 from verispec.errors import IncompatibleDraftError
 from verispec.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
+from verispec.theory import sampled_acceptance
 
 log = logging.getLogger("verispec.distill")
 
@@ -156,6 +157,9 @@ class FeatureTrainSettings:
     noise: float = 0.05  # uniform noise on input features, relative to their RMS
     unroll: int = FEATURE_UNROLL
     unroll_weight: float = 0.5  # weight of each deeper depth's loss, relative to depth 1
+    tv_weight: float = 0.0  # total variation distance between the target's and the draft's
+    # distributions, relative to the KL: 1 - TV is the chance that a token drawn from the draft
+    # at temperature 1 is accepted, so this term trains for sampling's acceptance directly
     seed: int = 0
     eval_every: int = 100
 
@@ -192,9 +196,10 @@ def _batch(examples: list[FeatureExample], embed: torch.Tensor):
 
 def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExample],
              embed: torch.Tensor) -> dict:
-    """Held-out KL and top-1 agreement with the target on response positions, from the target's
-    own features (depth 1) and from the draft's own prediction one step back (depth 2)."""
-    kl = agree1 = agree2 = count = count2 = 0.0
+    """Held-out KL, top-1 agreement with the target and acceptance at temperature 1 (sum of
+    min(p, q) over the head's tokens) on response positions, from the target's own features
+    (depth 1), and top-1 agreement from the draft's own prediction one step back (depth 2)."""
+    kl = agree1 = accept = agree2 = count = count2 = 0.0
     with torch.no_grad():
         for i in range(0, len(examples), 8):
             inputs, embeddings, targets, response = _batch(examples[i:i + 8], embed)
@@ -203,6 +208,7 @@ def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExampl
             top = target_lp.argmax(-1)
             kl += (target_lp.exp() * (target_lp - draft_lp)).sum(-1)[response].sum().item()
             agree1 += (draft_lp.argmax(-1) == top)[response].sum().item()
+            accept += sampled_acceptance(target_lp.exp(), draft_lp.exp())[response].sum().item()
             count += response.sum().item()
             # Depth 2: position s reads the draft's predicted f_s instead of the target's.
             second = head(torch.cat([inputs[:, :1], predicted[:, :-1]], dim=1), embeddings)
@@ -210,7 +216,7 @@ def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExampl
             agree2 += hits.sum().item()
             count2 += hits.numel()
     return {"kl": kl / max(count, 1), "agreement": agree1 / max(count, 1),
-            "agreement_depth2": agree2 / max(count2, 1)}
+            "acceptance_t1": accept / max(count, 1), "agreement_depth2": agree2 / max(count2, 1)}
 
 
 def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tensor,
@@ -241,7 +247,8 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
         # 2. Loss on the response positions (the ones drafting meets): KL from the target's
         #    distribution plus smooth L1 on the features, at depth 1 (the target's features in)
         #    and at each deeper depth, where position s reads the head's own prediction of f_s
-        #    from the depth before, as drafting does.
+        #    from the depth before, as drafting does; plus the total variation distance when
+        #    tv_weight > 0.
         wanted = targets[response]  # [M, H]
         target_lp = frozen.log_probs(wanted)  # [M, Vh]
         features_in, losses = inputs + noise, []
@@ -250,8 +257,12 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
             draft_lp = frozen.log_probs(predicted[response])  # [M, Vh]
             depth_kl = (target_lp.exp() * (target_lp - draft_lp)).sum(-1).mean()
             depth_feature = F.smooth_l1_loss(predicted[response] / scale, wanted / scale)
+            depth_loss = depth_kl + settings.feature_weight * depth_feature
+            if settings.tv_weight > 0:
+                depth_tv = 1 - sampled_acceptance(target_lp.exp(), draft_lp.exp()).mean()
+                depth_loss = depth_loss + settings.tv_weight * depth_tv
             weight = 1.0 if depth == 0 else settings.unroll_weight
-            losses.append(weight * (depth_kl + settings.feature_weight * depth_feature))
+            losses.append(weight * depth_loss)
             if depth == 0:
                 kl, feature_loss = depth_kl, depth_feature
             features_in = torch.cat([features_in[:, :1], predicted[:, :-1]], dim=1)

@@ -155,7 +155,7 @@ def _run_feature(config: DistillConfig, model, tokenizer, sequences, heldout, he
     frozen = FrozenHead(model, head)
     embed = model.get_input_embeddings().weight.detach().float()
     settings = FeatureTrainSettings(steps=config.steps, batch_size=config.train_batch_size,
-                                    lr=config.lr, seed=config.seed,
+                                    lr=config.lr, seed=config.seed, tv_weight=config.tv_weight,
                                     eval_every=config.checkpoint_every)
     started = time.perf_counter()
     report = train_feature_head(feature_head, frozen, embed, examples, held, settings,
@@ -176,6 +176,8 @@ def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequ
     target = config.target or "the embedded SmolLM2-135M-Instruct"
     figures = ", ".join(f"{name} {value:.3f}" for name, value in report.items())
     timing = "" if train_seconds is None else f" in {train_seconds / 60:.0f} min"
+    tv = (f" + {config.tv_weight} x its total variation distance from the draft's (the "
+          f"rejection rate of a sampled draft token)" if config.tv_weight else "")
     return (
         f"# verispec feature draft for {target}\n\n"
         f"An EAGLE-style draft: one Llama layer reading the target's last hidden state and the "
@@ -186,7 +188,9 @@ def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequ
         f"up to {config.max_new_tokens} new tokens, temperature {config.temperature}, "
         f"{config.greedy_fraction:.0%} greedy); prompts from verispec's built-in list and the "
         f"target's own, no benchmark questions. Trained on {FEATURE_UNROLL} drafting depths "
-        f"(the second reads the head's own predicted features).\n\n"
+        f"(the second reads the head's own predicted features), loss: KL from the target's "
+        f"distribution over the head's tokens{tv}, plus a smooth-L1 pull on the features."
+        f"\n\n"
         f"    {command_line(config)}\n\n"
         f"- trained {config.steps} steps{timing}, batch {config.train_batch_size} sequences, "
         f"lr {config.lr}, seed {config.seed}\n"
