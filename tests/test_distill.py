@@ -348,3 +348,26 @@ def test_bench_runs_a_distilled_draft_and_hands_transformers_a_full_head(run, co
     assert set(results["methods"]) == {"baseline", "draft", "hf-baseline", "hf-assisted"}
     assert results["methods"]["draft"]["greedy_equal_to_baseline"] == "2/2"
     assert results["methods"]["hf-assisted"]["greedy_equal_to_baseline"] == "2/2"
+
+
+def test_self_prompt_replies_to_other_requests_are_refused(target, tmp_path):
+    from verispec.distill.data import Teacher, generate_texts
+
+    teacher = Teacher(*target, chat=True)
+    checkpoint = tmp_path / "replies.json"
+    generate_texts(teacher, ["Ask about tea.", "Ask about jazz."], 4, 2, 1.0, seed=1,
+                   checkpoint=checkpoint)
+    with pytest.raises(ValueError, match="other requests"):
+        generate_texts(teacher, ["Ask about chess.", "Ask about jazz.", "Ask about maps."], 4, 2,
+                       1.0, seed=1, checkpoint=checkpoint)
+
+
+def test_self_prompt_requests_span_kinds_and_subjects():
+    from verispec.distill.prompts import FIELDS, REQUEST_KINDS, question_requests
+
+    requests = question_requests(2000, seed=0)
+    assert question_requests(2000, seed=0) == requests  # seeded
+    kinds = {kind for kind in REQUEST_KINDS for r in requests if r.startswith(kind.split("{}")[0])}
+    assert kinds == set(REQUEST_KINDS)
+    assert len(set(requests)) > 1000  # 199 subjects x 9 kinds: mostly distinct
+    assert sum(any(field in r for field in FIELDS) for r in requests) > 1000

@@ -120,9 +120,15 @@ def generate_texts(teacher: Teacher, requests: list[str], max_new_tokens: int, b
     """The target's decoded replies to `requests` (used to write self-prompts), reply i sampled
     with seed + i. With a checkpoint file the replies so far are saved every few batches and a
     rerun continues from them: a reply does not depend on which rows shared its batch, so a
-    resumed run writes what an uninterrupted one would."""
-    replies = json.loads(checkpoint.read_text())["replies"] \
-        if checkpoint is not None and checkpoint.is_file() else []
+    resumed run writes what an uninterrupted one would. A checkpoint written for other requests
+    (another verispec's prompt lists) is refused rather than continued."""
+    saved = json.loads(checkpoint.read_text()) \
+        if checkpoint is not None and checkpoint.is_file() else {"replies": []}
+    replies = saved["replies"]
+    if "requests" in saved and saved["requests"] != requests[:len(replies)]:
+        raise ValueError(f"{checkpoint} holds replies to other requests than this run asks "
+                         "(written by another verispec version?): finish that run with the "
+                         "version that started it, or start a new run folder")
     chunk = 4 * batch_size
     bar = tqdm(total=len(requests), initial=len(replies), desc=desc, unit="reply", disable=None)
     for first in range(len(replies), len(requests), chunk):
@@ -132,7 +138,8 @@ def generate_texts(teacher: Teacher, requests: list[str], max_new_tokens: int, b
                                    [seed + first + i for i in range(len(texts))], batch_size)
         replies += [teacher.decode(r) for r in responses]
         if checkpoint is not None:
-            _write_atomic(checkpoint, json.dumps({"replies": replies}).encode())
+            _write_atomic(checkpoint, json.dumps({"replies": replies,
+                                                  "requests": requests[:len(replies)]}).encode())
         bar.update(len(texts))
     bar.close()
     return replies

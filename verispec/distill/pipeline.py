@@ -65,7 +65,7 @@ from verispec.distill.train import (
 from verispec.native.llama import NativeLlama
 
 log = logging.getLogger("verispec.distill")
-SELF_QUESTION_TOKENS = 48
+SELF_QUESTION_TOKENS = 64
 SELF_PASSAGE_TOKENS = 160
 
 
@@ -289,9 +289,10 @@ def build_prompts(teacher: Teacher, config: DistillConfig, path: Path) -> list[s
 
 
 def self_prompts(teacher: Teacher, config: DistillConfig, data: Path) -> list[str]:
-    """Prompts the target writes: half questions about topics, half summarise/extract requests
-    over paragraphs it wrote. Empty replies are dropped. The replies so far are kept in
-    data/self-questions.json and data/self-passages.json: a resumed run continues them."""
+    """Prompts the target writes: half requests of many kinds about many subjects, half
+    summarise/extract/answer requests over paragraphs it wrote. Empty replies are dropped.
+    The replies so far are kept in data/self-questions.json and data/self-passages.json: a
+    resumed run continues them."""
     seed = derived_seed(config.seed, "self-prompts")
     questions = config.self_prompts // 2
     asked = generate_texts(teacher, question_requests(questions, seed),

@@ -3,9 +3,10 @@
 Two sources:
 - `builtin_prompts()`: templates x subjects over ten kinds of request (questions, instructions,
   code, maths, writing, summaries, extraction, translation, rewriting, reasoning), 747 prompts.
-- Self-prompts: the target writes them. `question_requests` ask it for a question a user might
-  ask about a topic (its answer becomes a prompt); `passage_requests` ask it for a paragraph,
-  and `summary_prompt` wraps that paragraph in a summarise/extract instruction.
+- Self-prompts: the target writes them. `question_requests` ask it for a request of some kind
+  (a question, creative writing, role-play, maths, a puzzle, code, ...) about a subject (its
+  answer becomes a prompt); `passage_requests` ask it for a paragraph, and `summary_prompt`
+  wraps that paragraph in a summarise/extract/answer/translate instruction.
 
 Example: builtin_prompts()[0] == "What is photosynthesis?"
 """
@@ -143,6 +144,9 @@ PASSAGE_INSTRUCTIONS = (
     "List every number mentioned in this passage and what it refers to.",
     "Extract the people, places and organisations named in this passage.",
     "Write two questions that this passage answers, with their answers.",
+    "Using only this passage, answer: what is its main point, and what evidence does it give?",
+    "Translate the first two sentences of this passage into French.",
+    "Rewrite this passage for a ten-year-old reader.",
 )
 
 SENTENCES = (
@@ -180,8 +184,56 @@ REASONING = (
     "You have a 3-litre jug and a 5-litre jug. How can you measure exactly 4 litres?",
 )
 
-SELF_QUESTION = ("Write one question that a curious person might ask an assistant about {}. "
-                 "Reply with the question only.")
+# Subjects for the self-prompts beyond TOPICS: many fields, so that the target's own prompts
+# (and the draft's data) are not about sixty subjects only. A draft distilled on narrow prompts
+# agrees with the target far less on other prompts (session 7: 0.49 on prompts like its
+# training prompts, 0.30 on verispec's benchmark prompts, greedy, first draft position).
+FIELDS = (
+    "medieval castles", "the Renaissance", "the Industrial Revolution", "the Cold War",
+    "ancient Greece", "the Ottoman Empire", "the history of medicine", "the space race",
+    "quantum computing", "genetics", "evolution", "the human brain", "nutrition", "viruses",
+    "probability", "prime numbers", "geometry", "statistics in the news", "algorithms",
+    "databases", "computer networks", "cryptography", "robotics", "video games",
+    "smartphone batteries", "social media", "online privacy", "open-source software",
+    "small businesses", "marketing", "job interviews", "negotiation", "personal finance",
+    "taxes", "insurance", "supply chains", "shipping containers", "airports", "railways",
+    "city planning", "architecture", "bridges", "skyscrapers", "interior design", "fashion",
+    "photography", "film making", "theatre", "classical music", "hip hop", "painting",
+    "sculpture", "poetry", "science fiction", "detective novels", "fairy tales", "mythology",
+    "philosophy of mind", "ethics of AI", "human rights", "elections", "the law courts",
+    "journalism", "advertising", "languages and dialects", "sign language", "translation",
+    "football", "tennis", "marathon running", "mountaineering", "sailing", "yoga", "cooking "
+    "with spices", "vegetarian food", "wine making", "cheese", "chocolate", "farming",
+    "beekeeping", "forests", "rivers", "deserts", "the Arctic", "weather forecasting",
+    "hurricanes", "pollution", "endangered species", "zoos", "pets", "horses", "whales",
+    "insects", "fungi", "astronomy", "Mars", "satellites", "telescopes", "time zones",
+    "calendars", "board games", "magic tricks", "friendship", "parenting", "ageing",
+    "happiness", "habits", "public speaking", "volunteering", "museums", "tourism",
+    "festivals", "weddings", "hospitals", "first aid", "dentists", "exercise", "sleep science",
+)
+
+# What the target is asked to write: requests of many kinds (questions, creative writing,
+# role-play, maths, reasoning, code, science, humanities, advice), each about a subject.
+REQUEST_KINDS = (
+    "Write one question that a curious person might ask an assistant about {}. "
+    "Reply with the question only.",
+    "Write one request asking an assistant for a piece of creative writing (a poem, a story, a "
+    "letter, a speech or a dialogue) about {}. Reply with the request only.",
+    "Write one request asking an assistant to play a character whose life involves {} and to "
+    "answer a question in character. Reply with the request only.",
+    "Write one maths word problem about {} that takes a few steps to solve. Reply with the "
+    "problem only.",
+    "Write one logic puzzle or reasoning question set in the world of {}. Reply with the "
+    "question only.",
+    "Write one programming task related to {} that asks for a short Python function. Reply "
+    "with the task only.",
+    "Write one question a student might ask about the science or technology behind {}. Reply "
+    "with the question only.",
+    "Write one essay question about the history, culture or ethics of {}. Reply with the "
+    "question only.",
+    "Write one request asking an assistant to explain, compare or give advice about {}. Reply "
+    "with the request only.",
+)
 SELF_PASSAGE = "Write a short paragraph of facts about {}."
 
 
@@ -198,15 +250,17 @@ def builtin_prompts() -> list[str]:
 
 
 def question_requests(count: int, seed: int) -> list[str]:
-    """`count` requests that make the target write a question about a topic."""
+    """`count` requests that make the target write a prompt: a kind of request (REQUEST_KINDS)
+    about a subject (TOPICS, TASKS, FIELDS), both drawn with `seed`."""
     rng = random.Random(seed)
-    return [SELF_QUESTION.format(rng.choice(TOPICS + TASKS)) for _ in range(count)]
+    subjects = TOPICS + TASKS + FIELDS
+    return [rng.choice(REQUEST_KINDS).format(rng.choice(subjects)) for _ in range(count)]
 
 
 def passage_requests(count: int, seed: int) -> list[str]:
     """`count` requests that make the target write a paragraph to be summarised."""
     rng = random.Random(seed)
-    return [SELF_PASSAGE.format(rng.choice(TOPICS)) for _ in range(count)]
+    return [SELF_PASSAGE.format(rng.choice(TOPICS + FIELDS)) for _ in range(count)]
 
 
 def summary_prompt(index: int, passage: str) -> str:
