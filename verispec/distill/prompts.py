@@ -186,7 +186,7 @@ REASONING = (
 
 # Subjects for the self-prompts beyond TOPICS: many fields, so that the target's own prompts
 # (and the draft's data) are not about sixty subjects only. A draft distilled on narrow prompts
-# agrees with the target far less on other prompts (session 7: 0.49 on prompts like its
+# agrees with the target far less on other prompts (measured: 0.49 on prompts like its
 # training prompts, 0.30 on verispec's benchmark prompts, greedy, first draft position).
 FIELDS = (
     "medieval castles", "the Renaissance", "the Industrial Revolution", "the Cold War",
