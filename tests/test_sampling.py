@@ -85,6 +85,13 @@ def test_sample_draws_each_row_from_its_distribution():
     assert chi2_pvalue(counts[0], skewed) < 1e-3
 
 
+@pytest.mark.parametrize("bad", [0.0, float("nan")])
+def test_sample_refuses_a_row_without_mass(bad):
+    probs = torch.tensor([[0.5, 0.5], [bad, bad]])
+    with pytest.raises(ValueError, match="positive"):
+        sample(probs, torch.Generator().manual_seed(0))
+
+
 def test_sample_never_draws_zero_mass_tokens_of_a_large_vocabulary():
     generator = torch.Generator().manual_seed(1)
     probs = torch.softmax(torch.randn(4, 49152, generator=generator) * 4, dim=-1)
