@@ -371,3 +371,17 @@ def test_self_prompt_requests_span_kinds_and_subjects():
     assert kinds == set(REQUEST_KINDS)
     assert len(set(requests)) > 1000  # 199 subjects x 9 kinds: mostly distinct
     assert sum(any(field in r for field in FIELDS) for r in requests) > 1000
+
+
+def test_a_repeated_prompt_is_never_decoded_greedily_twice(target, tmp_path):
+    from verispec.distill.data import Teacher, _rows
+    from verispec.distill.pipeline import shard_plans
+
+    prompts = ["Say hi.", "Count to three.", "Say hi.", "Name a colour.", "Count to three."]
+    config = DistillConfig(out=tmp_path, eval_prompts=1, shard_prompts=2)
+    plans = shard_plans(prompts, config, tmp_path)
+    assert [plan.repeats for plan in plans] == [(False,), (False, True), (False, True)]
+    teacher = Teacher(*target, chat=True)
+    # Every row greedy-eligible (fraction 1): only first occurrences are greedy.
+    temperatures = [_rows(teacher, plan, 1.0, 1.0, 8)[1] for plan in plans]
+    assert temperatures == [[None], [None, 1.0], [None, 1.0]]

@@ -150,6 +150,9 @@ class ShardPlan:
     path: Path
     prompts: tuple[str, ...]
     seed: int
+    # repeats[i]: prompts[i] came earlier in the run's plan; a repeat is always sampled (a
+    # greedy response to it would copy one the run may already hold). Empty: no repeats.
+    repeats: tuple[bool, ...] = ()
 
 
 def write_shards(teacher: Teacher, plans: list[ShardPlan], max_new_tokens: int, batch_size: int,
@@ -196,15 +199,19 @@ def write_shards(teacher: Teacher, plans: list[ShardPlan], max_new_tokens: int, 
 def _rows(teacher: Teacher, plan: ShardPlan, greedy_fraction: float, temperature: float,
           max_new_tokens: int) -> tuple[list[list[int]], list[float | None], list[int]]:
     """The shard's prompts encoded (those with room for a response), each row's temperature
-    (None, greedy, with probability greedy_fraction) and seed, all drawn from the plan's seed."""
+    (None, greedy, with probability greedy_fraction, unless the prompt is a repeat) and seed,
+    all drawn from the plan's seed."""
     encoded = [teacher.encode(text) for text in plan.prompts]
-    kept = [p for p in encoded if len(p) + max_new_tokens <= teacher.max_positions]
-    if len(kept) < len(encoded):
+    repeats = plan.repeats or (False,) * len(encoded)
+    rows = [(p, repeat) for p, repeat in zip(encoded, repeats, strict=True)
+            if len(p) + max_new_tokens <= teacher.max_positions]
+    if len(rows) < len(encoded):
         log.warning("data: %d prompts skipped: no room for the response in the context",
-                    len(encoded) - len(kept))
+                    len(encoded) - len(rows))
     rng = random.Random(plan.seed)
-    temperatures = [None if rng.random() < greedy_fraction else temperature for _ in kept]
-    return kept, temperatures, [plan.seed + i for i in range(len(kept))]
+    temperatures = [None if rng.random() < greedy_fraction and not repeat else temperature
+                    for _, repeat in rows]
+    return [p for p, _ in rows], temperatures, [plan.seed + i for i in range(len(rows))]
 
 
 def save_shard(path: Path, sequences: list[Sequence]) -> None:

@@ -308,14 +308,21 @@ def self_prompts(teacher: Teacher, config: DistillConfig, data: Path) -> list[st
 
 def shard_plans(prompts: list[str], config: DistillConfig, data: Path) -> list[ShardPlan]:
     """The held-out shard (the first eval_prompts prompts), then training shards of
-    shard_prompts prompts each, every one with its own seed."""
+    shard_prompts prompts each, every one with its own seed. A prompt that came earlier in the
+    plan (the built-in list is cycled when more prompts are asked for) is marked a repeat, so
+    it is never decoded greedily twice."""
+    seen: set[str] = set()
+    repeats = []
+    for prompt in prompts:
+        repeats.append(prompt in seen)
+        seen.add(prompt)
     held = config.eval_prompts
     plans = [ShardPlan(data / "heldout.safetensors", tuple(prompts[:held]),
-                       derived_seed(config.seed, "heldout"))]
+                       derived_seed(config.seed, "heldout"), tuple(repeats[:held]))]
     for i, first in enumerate(range(held, len(prompts), config.shard_prompts)):
-        plans.append(ShardPlan(data / f"shard-{i:05d}.safetensors",
-                               tuple(prompts[first : first + config.shard_prompts]),
-                               derived_seed(config.seed, f"shard-{i}")))
+        last = first + config.shard_prompts
+        plans.append(ShardPlan(data / f"shard-{i:05d}.safetensors", tuple(prompts[first:last]),
+                               derived_seed(config.seed, f"shard-{i}"), tuple(repeats[first:last])))
     return plans
 
 
