@@ -151,8 +151,8 @@ class ShardPlan:
     prompts: tuple[str, ...]
     seed: int
     # repeats[i]: prompts[i] came earlier in the run's plan; a repeat is always sampled (a
-    # greedy response to it would copy one the run may already hold). Empty: no repeats.
-    repeats: tuple[bool, ...] = ()
+    # greedy response to it would copy one the run may already hold)
+    repeats: tuple[bool, ...]
 
 
 def write_shards(teacher: Teacher, plans: list[ShardPlan], max_new_tokens: int, batch_size: int,
@@ -202,8 +202,7 @@ def _rows(teacher: Teacher, plan: ShardPlan, greedy_fraction: float, temperature
     (None, greedy, with probability greedy_fraction, unless the prompt is a repeat) and seed,
     all drawn from the plan's seed."""
     encoded = [teacher.encode(text) for text in plan.prompts]
-    repeats = plan.repeats or (False,) * len(encoded)
-    rows = [(p, repeat) for p, repeat in zip(encoded, repeats, strict=True)
+    rows = [(p, repeat) for p, repeat in zip(encoded, plan.repeats, strict=True)
             if len(p) + max_new_tokens <= teacher.max_positions]
     if len(rows) < len(encoded):
         log.warning("data: %d prompts skipped: no room for the response in the context",

@@ -205,10 +205,10 @@ def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExampl
             inputs, embeddings, targets, response = _batch(examples[i:i + 8], embed)
             predicted = head(inputs, embeddings)
             target_lp, draft_lp = frozen.log_probs(targets), frozen.log_probs(predicted)
-            top = target_lp.argmax(-1)
-            kl += (target_lp.exp() * (target_lp - draft_lp)).sum(-1)[response].sum().item()
+            target_probs, top = target_lp.exp(), target_lp.argmax(-1)
+            kl += (target_probs * (target_lp - draft_lp)).sum(-1)[response].sum().item()
             agree1 += (draft_lp.argmax(-1) == top)[response].sum().item()
-            accept += sampled_acceptance(target_lp.exp(), draft_lp.exp())[response].sum().item()
+            accept += sampled_acceptance(target_probs, draft_lp.exp())[response].sum().item()
             count += response.sum().item()
             # Depth 2: position s reads the draft's predicted f_s instead of the target's.
             second = head(torch.cat([inputs[:, :1], predicted[:, :-1]], dim=1), embeddings)
@@ -251,15 +251,16 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
         #    tv_weight > 0.
         wanted = targets[response]  # [M, H]
         target_lp = frozen.log_probs(wanted)  # [M, Vh]
+        target_probs = target_lp.exp()  # [M, Vh]
         features_in, losses = inputs + noise, []
         for depth in range(settings.unroll):
             predicted = head(features_in, embeddings)  # [B, T, H]
             draft_lp = frozen.log_probs(predicted[response])  # [M, Vh]
-            depth_kl = (target_lp.exp() * (target_lp - draft_lp)).sum(-1).mean()
+            depth_kl = (target_probs * (target_lp - draft_lp)).sum(-1).mean()
             depth_feature = F.smooth_l1_loss(predicted[response] / scale, wanted / scale)
             depth_loss = depth_kl + settings.feature_weight * depth_feature
             if settings.tv_weight > 0:
-                depth_tv = 1 - sampled_acceptance(target_lp.exp(), draft_lp.exp()).mean()
+                depth_tv = 1 - sampled_acceptance(target_probs, draft_lp.exp()).mean()
                 depth_loss = depth_loss + settings.tv_weight * depth_tv
             weight = 1.0 if depth == 0 else settings.unroll_weight
             losses.append(weight * depth_loss)
