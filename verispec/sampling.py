@@ -61,8 +61,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [B, V]
     total = cumulative[:, -1:]  # [B, 1]
     if not bool((total > 0).all()):  # as torch.multinomial, refuse rather than draw past V
-        raise ValueError("sample() needs every row to have positive, finite mass; got a row of "
-                         "zeros or NaN")
+        raise ValueError("sample() needs every row to have positive mass; got a row of zeros "
+                         "or NaN")
     uniform = torch.rand(total.shape, generator=generator, dtype=torch.float64,
                          device=probs.device)  # [B, 1] in [0, 1)
     # u < total even where rounding would make uniform * total reach it.

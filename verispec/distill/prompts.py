@@ -202,8 +202,8 @@ FIELDS = (
     "sculpture", "poetry", "science fiction", "detective novels", "fairy tales", "mythology",
     "philosophy of mind", "ethics of AI", "human rights", "elections", "the law courts",
     "journalism", "advertising", "languages and dialects", "sign language", "translation",
-    "football", "tennis", "marathon running", "mountaineering", "sailing", "yoga", "cooking "
-    "with spices", "vegetarian food", "wine making", "cheese", "chocolate", "farming",
+    "football", "tennis", "marathon running", "mountaineering", "sailing", "yoga",
+    "cooking with spices", "vegetarian food", "wine making", "cheese", "chocolate", "farming",
     "beekeeping", "forests", "rivers", "deserts", "the Arctic", "weather forecasting",
     "hurricanes", "pollution", "endangered species", "zoos", "pets", "horses", "whales",
     "insects", "fungi", "astronomy", "Mars", "satellites", "telescopes", "time zones",
