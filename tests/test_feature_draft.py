@@ -17,7 +17,7 @@ from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
 from verispec.decoder import make_drafter
 from verispec.distill import DistillConfig, distill
-from verispec.distill.feature import FeatureHead, is_feature_draft
+from verispec.distill.feature import FeatureHead, FrozenHead, is_feature_draft
 from verispec.drafters import HybridDrafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.errors import IncompatibleDraftError
@@ -154,6 +154,85 @@ def test_the_first_round_drafts_nothing_then_drafts_from_the_targets_features():
     fresh = feature_drafter(model, VOCAB)
     fresh.follow(runner)
     assert torch.equal(fresh.propose(history, 3, greedy, None).tokens, first.tokens)
+
+
+def test_a_head_with_taps_drafts_what_training_computes():
+    """The drafter's first token reads the target's hidden states after the tapped layers, as
+    FeatureHead does in training: the same distribution from the same inputs, and a different
+    one without the taps' weights."""
+    model = tiny_llama(VOCAB, seed=2, layers=3, dtype=torch.float32)
+    shape = LlamaShape.from_config(model.config)
+    head = FeatureHead(shape, taps=(1, 2))
+    head.init_from(model)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(head.fc_taps.weight, std=0.3)
+    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    zeroed = {**head.state_dict(), "fc_taps.weight": torch.zeros_like(head.fc_taps.weight)}
+    drafters = {name: FeatureDrafter(weights, torch.arange(VOCAB), model, VOCAB, taps=(1, 2))
+                for name, weights in (("taps", head.state_dict()), ("zeroed", zeroed))}
+    for drafter in drafters.values():
+        drafter.follow(runner)  # the runner keeps the taps from here on
+    history = torch.tensor([5, 6, 7, 8, 9, 10, 11])
+    runner.logits(history[:-1], 1)
+    sampled = SamplingParams(temperature=1.0)
+    drafted = {name: drafter.propose(history, 1, sampled, None).probs[0]  # [V]
+               for name, drafter in drafters.items()}
+    # Training's view of the same positions: f_s, x_{s+1} and the taps at s = 0..L-2.
+    length = history.numel() - 1
+    features = runner.cache.features[:length].unsqueeze(0)
+    taps = runner.cache.taps[:length].unsqueeze(0)  # [1, L-1, 2, H]
+    embeddings = model.get_input_embeddings().weight.detach()[history[1:]].unsqueeze(0)
+    with torch.no_grad():
+        predicted = head(features, embeddings, taps)[0, -1]
+    expected = FrozenHead(model, torch.arange(VOCAB)).log_probs(predicted).exp()
+    torch.testing.assert_close(drafted["taps"], expected, rtol=1e-4, atol=1e-5)
+    assert (drafted["zeroed"] - expected).abs().max() > 1e-3
+
+
+def test_feature_taps_are_checked():
+    model = tiny_llama(VOCAB, seed=2, layers=3, dtype=torch.float32)
+    with pytest.raises(ValueError, match="inside the target"):
+        FeatureHead(LlamaShape.from_config(model.config), taps=(3,))
+    with pytest.raises(ValueError, match="feature_taps"):
+        DistillConfig(out=Path("x"), feature_taps=(1,))  # kind "layers"
+    with pytest.raises(ValueError, match="feature_taps"):
+        DistillConfig(out=Path("x"), kind="feature", feature_taps=(0,))
+    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    runner.model.taps = (2,)
+    with pytest.raises(IncompatibleDraftError, match="another feature draft"):
+        FeatureDrafter({}, torch.arange(VOCAB), model, VOCAB, taps=(1,)).follow(runner)
+
+
+def test_distill_with_taps_writes_a_draft_that_reads_them_and_keeps_greedy_exact(
+        target_folder, target):
+    config = DistillConfig(out=target_folder.parent / "run-taps", target=str(target_folder),
+                           kind="feature", feature_taps=(1, 2), num_prompts=16, self_prompts=0,
+                           eval_prompts=8, shard_prompts=8, max_new_tokens=24, batch_size=8,
+                           head_vocab=160, steps=30, lr=3e-3, checkpoint_every=30,
+                           device="cpu")
+    result = distill(config)
+    meta = json.loads((result.draft / "verispec_draft.json").read_text())
+    assert meta["taps"] == [1, 2]
+    weights = safetensors.torch.load_file(str(result.draft / "draft.safetensors"))
+    assert weights["fc_taps.weight"].float().abs().sum() > 0  # trained away from zero
+    card = (result.draft / "README.md").read_text()
+    assert "--feature-taps 1 2" in card and "after its layers 1, 2" in card
+    model, tokenizer = target
+    drafter = make_drafter(str(result.draft), model, tokenizer)
+    assert drafter.taps == (1, 2)
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime="native")
+    spec = SpeculativeDecoder(model, tokenizer, drafter, k=3, runtime="native")
+    prompts = ["What is photosynthesis?", "abcabcabc"]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    outputs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [plain.generate(p, params).token_ids
+                                              for p in prompts]
+    assert sum(o.stats.drafted for o in outputs) > 0
+    # A folder whose taps do not fit its weights is refused.
+    meta["taps"] = []
+    (result.draft / "verispec_draft.json").write_text(json.dumps(meta))
+    with pytest.raises(IncompatibleDraftError, match="taps"):
+        make_drafter(str(result.draft), model, tokenizer)
 
 
 # -- the law of sampled output with a feature draft ----------------------------------------------

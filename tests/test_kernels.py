@@ -93,6 +93,30 @@ def test_fused_forward_matches_transformers_and_the_torch_path(kind, kernels, mo
     assert (got["fused"].argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95
 
 
+def test_fused_taps_match_the_torch_path_and_change_no_logit(kernels, monkeypatch):
+    """The C++ forward keeps the hidden state after the tapped layers, as the PyTorch path does,
+    without touching a logit."""
+    model = tiny("llama")
+    fused = NativeLlama.from_hf(model)
+    monkeypatch.setenv("VERISPEC_KERNELS", "0")
+    torch_path = NativeLlama.from_hf(model)
+    cache = fused.new_cache()
+    plain = torch.cat([fused.forward(IDS[:80], 0, 1, cache), fused.forward(IDS[80:], 80, 4,
+                                                                           cache)])
+    taps = {}
+    for name, native in (("fused", fused), ("torch", torch_path)):
+        native.taps = (1,)
+        cache = native.new_cache()
+        logits = native.forward(IDS[:80], 0, 1, cache)
+        logits = torch.cat([logits, native.forward(IDS[80:], 80, 4, cache)])
+        taps[name] = cache.taps[:90, 0].float()  # [90, H]
+        if name == "fused":
+            assert torch.equal(logits, plain)
+    error = (taps["fused"] - taps["torch"]).abs().max()
+    assert error < 0.02 * taps["torch"].abs().max(), error
+    assert taps["fused"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("head_dim", [64, 32, 16],
                          ids=["amx-attention-d64", "amx-attention", "avx512-attention"])
 def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels, head_dim):

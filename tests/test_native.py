@@ -158,3 +158,23 @@ def test_speculative_greedy_equals_plain_greedy_with_long_prompts_in_bf16(tokeni
     for prompts in (["a b c a b c a b c a b c a b c a b c", "x"], ["q" * 30, "w e" * 20]):
         assert [o.token_ids for o in spec.generate(prompts, params)] == \
             [plain.generate(p, params).token_ids for p in prompts]
+
+
+def test_taps_keep_the_hidden_states_inside_the_stack_and_change_no_logit():
+    """A feature draft with taps reads the hidden state after some of the target's layers
+    (NativeLlama.taps): kept per position in the cache, equal to transformers' hidden states,
+    and the logits are the same bits with or without them."""
+    model = tiny_llama(64, seed=1, layers=3, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = model(IDS.unsqueeze(0), output_hidden_states=True).hidden_states
+    native = NativeLlama.from_hf(model, torch.float32)
+    logits = {}
+    for taps in ((), (2, 1)):
+        native.taps = taps
+        runner = NativeCachedModel(native)
+        logits[taps] = torch.cat([runner.logits(IDS[:70], 1), runner.logits(IDS, 10)])
+    assert torch.equal(logits[()], logits[(2, 1)])
+    tapped = runner
+    taps = tapped.cache.taps[: IDS.numel()]  # [T, 2, H]
+    torch.testing.assert_close(taps[:, 0], hidden[2][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(taps[:, 1], hidden[1][0], rtol=1e-4, atol=1e-4)

@@ -251,6 +251,9 @@ def add_distill_command(commands) -> None:
     distill.add_argument("--train-shards", type=int, metavar="N", help="write and train on only "
                          "the first N shards of the prompt plan")
     distill.add_argument("--lr", type=float)
+    distill.add_argument("--feature-taps", nargs="+", type=int, metavar="N",
+                         help="feature drafts: also read the target's hidden states after N of "
+                              "its layers (e.g. 3 15)")
     distill.add_argument("--tv-weight", type=float, help="feature drafts: weight of the total "
                          "variation distance (sampling's rejection rate) in the loss, relative "
                          "to the KL (default 0)")

@@ -291,8 +291,8 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
     from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle
 
     if is_feature_draft(draft):  # reads the target's features: built when it meets the runner
-        weights, head_token_ids = load_feature_weights(draft, target, tokenizer)
-        return FeatureDrafter(weights, head_token_ids, target, vocab_size(target))
+        weights, head_token_ids, taps = load_feature_weights(draft, target, tokenizer)
+        return FeatureDrafter(weights, head_token_ids, target, vocab_size(target), taps)
     if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
         draft_model, head_token_ids = load_draft(draft, target, tokenizer)
         runner = make_runner(draft_model, runtime, dtype=dtype, int8=int8)

@@ -44,6 +44,8 @@ class DistillConfig:
     train_head: bool = False  # False: head rows frozen to the target's (not stored)
     steps: int = 800
     lr: float = 1e-3
+    feature_taps: tuple[int, ...] = ()  # feature drafts: also read the target's hidden states
+    # after these many of its layers (EAGLE-3's low and mid-level features), e.g. (3, 15)
     tv_weight: float = 0.0  # feature drafts: weight of the total variation distance in the
     # loss (1 - TV is the acceptance of a sampled draft token), relative to the KL
     seq_len: int = 512  # sequences are cut to this many tokens for training
@@ -55,6 +57,7 @@ class DistillConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
         object.__setattr__(self, "extra_data", tuple(Path(p) for p in self.extra_data))
+        object.__setattr__(self, "feature_taps", tuple(self.feature_taps))
         positive = ("num_prompts", "eval_prompts", "shard_prompts", "max_new_tokens",
                     "batch_size", "topk", "layers", "head_vocab", "steps", "seq_len",
                     "checkpoint_every")
@@ -78,6 +81,13 @@ class DistillConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.kind not in ("layers", "feature"):
             raise ValueError(f"kind must be 'layers' or 'feature', got {self.kind!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 1
+               for t in self.feature_taps) or len(set(self.feature_taps)) < len(
+                self.feature_taps):
+            raise ValueError(f"feature_taps must be distinct layer counts >= 1, got "
+                             f"{self.feature_taps!r}")
+        if self.feature_taps and self.kind != "feature":
+            raise ValueError("feature_taps is for kind 'feature' drafts")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda", "mps")):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
 

@@ -40,6 +40,7 @@ from verispec.distill.model import (
     target_signature,
     write_draft_folder,
 )
+from verispec.drafters.feature import tap_inputs
 from verispec.errors import IncompatibleDraftError
 from verispec.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
 from verispec.theory import sampled_acceptance
@@ -53,14 +54,25 @@ LAYER_KEYS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
 class FeatureHead(nn.Module):
     """fc(f_s, embed(x_{s+1})) -> one causal Llama layer -> predicted f_{s+1}, in float32 for
-    training; `verispec.drafters.feature` runs the same weights on the native runtime."""
+    training; `verispec.drafters.feature` runs the same weights on the native runtime.
 
-    def __init__(self, shape: LlamaShape) -> None:
+    taps: also read the target's hidden states after these many of its layers at position s
+    (EAGLE-3's low and mid-level features), each RMS-normalised, through fc_taps added to fc's
+    output. Only the first drafting step has them (the target has not run on drafted tokens):
+    deeper steps add nothing there, and training does the same."""
+
+    def __init__(self, shape: LlamaShape, taps: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.shape = shape
+        self.shape, self.taps = shape, tuple(taps)
+        if any(not 0 < tap < shape.num_layers for tap in self.taps):
+            raise ValueError(f"feature taps must lie inside the target's {shape.num_layers} "
+                             f"layers, got {self.taps}")
         hidden, heads, kv_heads, dim = (shape.hidden_size, shape.num_heads, shape.num_kv_heads,
                                         shape.head_dim)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        if self.taps:  # starts at zero: a head without taps, until training finds them useful
+            self.fc_taps = nn.Linear(len(self.taps) * hidden, hidden, bias=False)
+            nn.init.zeros_(self.fc_taps.weight)
         self.attn_norm = nn.Parameter(torch.ones(hidden))
         self.q = nn.Linear(hidden, heads * dim, bias=False)
         self.k = nn.Linear(hidden, kv_heads * dim, bias=False)
@@ -74,12 +86,15 @@ class FeatureHead(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        """features, embeddings [B, T, H] (position s: f_s and the embedding of x_{s+1}) ->
-        predicted features [B, T, H] (f_{s+1}), causal over T."""
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor,
+                taps: torch.Tensor | None = None) -> torch.Tensor:
+        """features, embeddings [B, T, H] (position s: f_s and the embedding of x_{s+1}), taps
+        [B, T, n, H] or None -> predicted features [B, T, H] (f_{s+1}), causal over T."""
         batch, length, _ = features.shape
         shape = self.shape
         x = self.fc(torch.cat([features, embeddings], dim=-1))  # [B, T, H]
+        if self.taps and taps is not None:
+            x = x + self.fc_taps(tap_inputs(taps, shape.rms_norm_eps))
         # 1. Attention with rotary positions, grouped-query.
         h = F.rms_norm(x, (shape.hidden_size,), self.attn_norm, shape.rms_norm_eps)
         q = self.q(h).view(batch, length, shape.num_heads, shape.head_dim)
@@ -123,25 +138,33 @@ class FeatureExample:
     ids: torch.Tensor  # [T] long: prompt + response
     start: int  # the response starts here
     features: torch.Tensor  # [T, H] bfloat16: the target's last hidden states
+    taps: torch.Tensor | None = None  # [T, n, H] bfloat16: its hidden states at the head's taps
 
 
-def target_features(native: NativeLlama, sequences: list[Sequence], max_length: int
-                    ) -> list[FeatureExample]:
+def target_features(native: NativeLlama, sequences: list[Sequence], max_length: int,
+                    taps: tuple[int, ...] = ()) -> list[FeatureExample]:
     """The target's features for every position of every sequence (cut to max_length): those
     the data shards stored (written by the same runtime), else from a pass of `native`, the
-    runtime the drafter will read them from."""
+    runtime the drafter will read them from; and its hidden states after `taps` layers (a pass
+    of `native`: the shards do not store them)."""
     examples = []
-    for seq in tqdm(sequences, desc="target features", unit="seq", mininterval=5):
-        ids = seq.ids[:max_length]
-        if ids.numel() < 3:
-            continue
-        if seq.features is not None and seq.features.dtype == native.dtype:
-            features = seq.features[: ids.numel()]
-        else:
-            cache = native.new_cache()
-            native.forward(ids, 0, 1, cache)
-            features = cache.features[: ids.numel()].clone()
-        examples.append(FeatureExample(ids, seq.start, features))
+    native.taps = tuple(taps)
+    try:
+        for seq in tqdm(sequences, desc="target features", unit="seq", mininterval=5):
+            ids = seq.ids[:max_length]
+            if ids.numel() < 3:
+                continue
+            tapped = None
+            if seq.features is not None and seq.features.dtype == native.dtype and not taps:
+                features = seq.features[: ids.numel()]
+            else:
+                cache = native.new_cache()
+                native.forward(ids, 0, 1, cache)
+                features = cache.features[: ids.numel()].clone()
+                tapped = cache.taps[: ids.numel()].clone() if taps else None
+            examples.append(FeatureExample(ids, seq.start, features, tapped))
+    finally:
+        native.taps = ()
     return examples
 
 
@@ -180,18 +203,23 @@ class FrozenHead:
 
 def _batch(examples: list[FeatureExample], embed: torch.Tensor):
     """Pad to the longest -> inputs (features, embeddings) [B, T-1, H], targets [B, T-1, H],
-    response mask [B, T-1] (the positions that predict response tokens)."""
+    response mask [B, T-1] (the positions that predict response tokens), input taps
+    [B, T-1, n, H] (None without taps)."""
     length = max(int(e.ids.numel()) for e in examples) - 1
     hidden = embed.shape[1]
     feats = torch.zeros(len(examples), length + 1, hidden)
     nexts = torch.zeros(len(examples), length, dtype=torch.long)
     response = torch.zeros(len(examples), length, dtype=torch.bool)
+    num_taps = 0 if examples[0].taps is None else examples[0].taps.shape[1]
+    taps = torch.zeros(len(examples), length, num_taps, hidden) if num_taps else None
     for row, e in enumerate(examples):
         n = int(e.ids.numel()) - 1
         feats[row, : n + 1] = e.features.float()
         nexts[row, :n] = e.ids[1:]
         response[row, max(e.start - 1, 0):n] = True
-    return feats[:, :-1], embed[nexts], feats[:, 1:], response
+        if taps is not None:
+            taps[row, :n] = e.taps[:n].float()
+    return feats[:, :-1], embed[nexts], feats[:, 1:], response, taps
 
 
 def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExample],
@@ -202,8 +230,8 @@ def evaluate(head: FeatureHead, frozen: FrozenHead, examples: list[FeatureExampl
     kl = agree1 = accept = agree2 = count = count2 = 0.0
     with torch.no_grad():
         for i in range(0, len(examples), 8):
-            inputs, embeddings, targets, response = _batch(examples[i:i + 8], embed)
-            predicted = head(inputs, embeddings)
+            inputs, embeddings, targets, response, taps = _batch(examples[i:i + 8], embed)
+            predicted = head(inputs, embeddings, taps)
             target_lp, draft_lp = frozen.log_probs(targets), frozen.log_probs(predicted)
             target_probs, top = target_lp.exp(), target_lp.argmax(-1)
             kl += (target_probs * (target_lp - draft_lp)).sum(-1)[response].sum().item()
@@ -241,20 +269,21 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
     for step in progress:
         # 1. A batch of whole sequences, drawn with the seeded generator.
         picks = torch.randint(0, len(examples), (settings.batch_size,), generator=generator)
-        inputs, embeddings, targets, response = _batch([examples[i] for i in picks], embed)
+        inputs, embeddings, targets, response, taps = _batch([examples[i] for i in picks],
+                                                             embed)
         scale = inputs.pow(2).mean().sqrt()
         noise = (torch.rand(inputs.shape, generator=generator) * 2 - 1) * settings.noise * scale
         # 2. Loss on the response positions (the ones drafting meets): KL from the target's
         #    distribution plus smooth L1 on the features, at depth 1 (the target's features in)
         #    and at each deeper depth, where position s reads the head's own prediction of f_s
-        #    from the depth before, as drafting does; plus the total variation distance when
-        #    tv_weight > 0.
+        #    from the depth before, as drafting does (and no taps); plus the total variation
+        #    distance when tv_weight > 0.
         wanted = targets[response]  # [M, H]
         target_lp = frozen.log_probs(wanted)  # [M, Vh]
         target_probs = target_lp.exp()  # [M, Vh]
         features_in, losses = inputs + noise, []
         for depth in range(settings.unroll):
-            predicted = head(features_in, embeddings)  # [B, T, H]
+            predicted = head(features_in, embeddings, taps if depth == 0 else None)  # [B, T, H]
             draft_lp = frozen.log_probs(predicted[response])  # [M, Vh]
             depth_kl = (target_probs * (target_lp - draft_lp)).sum(-1).mean()
             depth_feature = F.smooth_l1_loss(predicted[response] / scale, wanted / scale)
@@ -309,8 +338,8 @@ def save_feature_draft(head: FeatureHead, head_token_ids: torch.Tensor, folder: 
     config.num_hidden_layers = 1
     weights = {name: value.detach().to(torch.bfloat16).contiguous()
                for name, value in head.state_dict().items()}
-    write_draft_folder(folder, config, weights, head_token_ids, {"kind": KIND}, target,
-                       tokenizer, card)
+    write_draft_folder(folder, config, weights, head_token_ids,
+                       {"kind": KIND, "taps": list(head.taps)}, target, tokenizer, card)
 
 
 def is_feature_draft(folder) -> bool:
@@ -320,8 +349,9 @@ def is_feature_draft(folder) -> bool:
 
 
 def load_feature_weights(folder, target: PreTrainedModel, tokenizer=None
-                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """-> (the head's weights by name, head_token_ids [Vh]); refuses another target's draft."""
+                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor, tuple[int, ...]]:
+    """-> (the head's weights by name, head_token_ids [Vh], its taps); refuses another target's
+    draft."""
     folder = Path(folder)
     meta = json.loads((folder / META_FILE).read_text())
     if meta.get("format") != FORMAT or meta.get("kind") != KIND:
@@ -334,4 +364,9 @@ def load_feature_weights(folder, target: PreTrainedModel, tokenizer=None
                 f"was distilled from")
     weights = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
     head_token_ids = weights.pop("head_token_ids")
-    return weights, head_token_ids
+    taps = tuple(int(t) for t in meta.get("taps", ()))
+    num_layers = target.config.num_hidden_layers
+    if any(not 0 < t < num_layers for t in taps) or ("fc_taps.weight" in weights) != bool(taps):
+        raise IncompatibleDraftError(f"{folder}: its taps {taps} do not fit its weights or the "
+                                     f"target's {num_layers} layers")
+    return weights, head_token_ids, taps

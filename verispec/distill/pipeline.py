@@ -145,12 +145,12 @@ def _run_feature(config: DistillConfig, model, tokenizer, sequences, heldout, he
     dtype = torch.bfloat16 if config.torch_device.type == "cpu" else torch.float32
     native = NativeLlama.from_hf(model, dtype)
     started = time.perf_counter()
-    examples = target_features(native, sequences, config.seq_len)
-    held = target_features(native, heldout, config.seq_len)
+    examples = target_features(native, sequences, config.seq_len, config.feature_taps)
+    held = target_features(native, heldout, config.seq_len, config.feature_taps)
     log.info("distill: target features for %d + %d sequences in %.0f s", len(examples),
              len(held), time.perf_counter() - started)
     shape = native.shape
-    feature_head = FeatureHead(shape)
+    feature_head = FeatureHead(shape, config.feature_taps)
     feature_head.init_from(model)
     frozen = FrozenHead(model, head)
     embed = model.get_input_embeddings().weight.detach().float()
@@ -178,10 +178,12 @@ def feature_model_card(config: DistillConfig, report: dict, head_size: int, sequ
     timing = "" if train_seconds is None else f" in {train_seconds / 60:.0f} min"
     tv = (f" + {config.tv_weight} x its total variation distance from the draft's (the "
           f"rejection rate of a sampled draft token)" if config.tv_weight else "")
+    taps = (f" (and, at its first drafting step, the hidden states after its layers "
+            f"{', '.join(map(str, config.feature_taps))})" if config.feature_taps else "")
     return (
         f"# verispec feature draft for {target}\n\n"
-        f"An EAGLE-style draft: one Llama layer reading the target's last hidden state and the "
-        f"next token's embedding, predicting the target's next hidden state; the target's "
+        f"An EAGLE-style draft: one Llama layer reading the target's last hidden state{taps} "
+        f"and the next token's embedding, predicting the target's next hidden state; the target's "
         f"final norm and {head_size} rows of its head (not stored) make the logits. Distilled "
         f"on {sequences} sequences ({positions} positions) the target wrote itself "
         f"({_prompt_plan(config)}, "

@@ -7,6 +7,10 @@ feature f_{L-2} is known: the draft reads (f_s, x_{s+1}) for every position s it
 yet, up to L-2, then drafts x_L, x_{L+1}, ... feeding its own predicted features back in. Its
 KV cache is indexed by position like the target's: positions past the last real feature are
 written over in the next round. The first round (no target features yet) drafts nothing.
+
+A head with taps also reads the target's hidden states after some of its layers at the real
+positions (it asks the target's runtime to keep them: `NativeLlama.taps`); drafted positions
+have none, as in training.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from verispec.drafters.base import Draft, empty_draft
@@ -32,9 +37,9 @@ class FeatureDrafter:
     name = "feature"
 
     def __init__(self, weights: dict[str, torch.Tensor], head_token_ids: torch.Tensor,
-                 target: PreTrainedModel, vocab_size: int) -> None:
+                 target: PreTrainedModel, vocab_size: int, taps: tuple[int, ...] = ()) -> None:
         self.weights, self.head_token_ids = weights, head_token_ids.long()
-        self.target_model, self.vocab_size = target, vocab_size
+        self.target_model, self.vocab_size, self.taps = target, vocab_size, tuple(taps)
         self.runner = None  # the target's NativeCachedModel for this sequence
         self.model: _FeatureModel | None = None  # built on the first follow(), shared by forks
         self.cache = None
@@ -47,9 +52,16 @@ class FeatureDrafter:
             raise IncompatibleDraftError("a feature draft reads the target's hidden states, which "
                                          "only the native runtime keeps: use --runtime native "
                                          "(or auto) with a Llama-family target")
+        if runner.model.taps not in ((), self.taps):
+            raise IncompatibleDraftError(f"the target already keeps the hidden states after "
+                                         f"layers {runner.model.taps} for another feature draft; "
+                                         f"this one reads {self.taps}")
         if self.model is None:
             self.model = _FeatureModel(self.weights, self.head_token_ids, self.target_model,
                                        runner.model)
+        if runner.model.taps != self.taps:  # positions cached before were not tapped
+            runner.model.taps = self.taps
+            runner.reset()
         self.runner = runner
         self.cache = self.model.native.new_cache()
         self.reset()
@@ -59,7 +71,7 @@ class FeatureDrafter:
 
     def fork(self) -> FeatureDrafter:
         other = FeatureDrafter(self.weights, self.head_token_ids, self.target_model,
-                               self.vocab_size)
+                               self.vocab_size, self.taps)
         other.model = self.model
         return other
 
@@ -100,14 +112,18 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
     model = drafters[rows[0]].model
     if any(drafters[i].model is not model for i in rows):
         raise ValueError("feature drafters drafting together must share one head")
-    # 1. Every row reads its new real pairs (f_s, x_{s+1}), s = first..L-2, in one pass.
-    passes = []
+    # 1. Every row reads its new real pairs (f_s, x_{s+1}), s = first..L-2, in one pass, with
+    #    the target's taps there when the head reads them.
+    passes, taps = [], []
     for i in rows:
         history, first = histories[i], firsts[i]
-        features = drafters[i].runner.cache.features[first:history.numel() - 1]  # [T, H]
+        target_cache = drafters[i].runner.cache
+        features = target_cache.features[first:history.numel() - 1]  # [T, H]
         passes.append((drafters[i].cache, features, history[first + 1:], first))
+        if model.fc_taps is not None:
+            taps.append(target_cache.taps[first:history.numel() - 1])  # [T, n, H]
         drafters[i].fed = history
-    logits = model.step_rows(passes)  # per row [1, Vh]
+    logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
     positions = {i: int(histories[i].numel()) - 2 for i in rows}
     tokens: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
@@ -139,6 +155,12 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
     return drafts
 
 
+def tap_inputs(taps: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., n, H] tapped hidden states -> [..., n H]: each RMS-normalised (their scales differ
+    by tens across the stack), side by side."""
+    return F.rms_norm(taps, (taps.shape[-1],), eps=eps).flatten(-2)
+
+
 class _FeatureModel:
     """The head's weights on the target's runtime: fc, one layer, the target's norm and head
     rows (a NativeLlama of one layer fed with fused vectors instead of token embeddings)."""
@@ -162,16 +184,22 @@ class _FeatureModel:
                                     vocab_size=int(head_token_ids.numel()))
         self.embed = target_native.embed  # [V, H], the target's own table
         self.fc = Linear(cast("fc.weight"))  # 2H -> H
+        self.fc_taps = Linear(cast("fc_taps.weight")) if "fc_taps.weight" in weights else None
+        self.eps = target_native.shape.rms_norm_eps
         self.native = NativeLlama(shape, self.embed, [layer], target_native.final_norm,
                                   Linear(head.to(dtype=dtype, device=device).contiguous()))
 
-    def step_rows(self, passes: list[tuple]) -> list[torch.Tensor]:
+    def step_rows(self, passes: list[tuple], taps: torch.Tensor | None = None
+                  ) -> list[torch.Tensor]:
         """For every (cache, features [T, H], next_ids [T], start): the pairs at positions
-        start.. in one pass -> per row logits [1, Vh] of its last position; the predicted
-        features land in each cache's features."""
+        start.. in one pass, with the target's taps [N, n, H] at them if given -> per row
+        logits [1, Vh] of its last position; the predicted features land in each cache's
+        features."""
         features = torch.cat([features for _, features, _, _ in passes])  # [N, H]
         next_ids = torch.cat([ids for _, _, ids, _ in passes])  # [N]
         inputs = self.fc(torch.cat([features, self.embed[next_ids]], dim=-1))  # [N, H]
+        if taps is not None:
+            inputs = inputs + self.fc_taps(tap_inputs(taps, self.eps))
         return self.native.forward_rows(
             [RowPass(cache, ids, start, 1) for cache, _, ids, start in passes], inputs=inputs)
 

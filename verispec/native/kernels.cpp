@@ -545,7 +545,7 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                     const std::vector<torch::Tensor>& keys,
                     const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& lengths, std::vector<int64_t> sizes, double eps,
-                    int64_t short_pass) {
+                    int64_t short_pass, torch::Tensor taps, const std::vector<int64_t>& tap_layers) {
   const Shape shape{sizes.at(0), sizes.at(1), sizes.at(2), sizes.at(3), sizes.at(4), float(eps)};
   const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim;
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
@@ -553,6 +553,11 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   TORCH_CHECK(d <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
   TORCH_CHECK(layers.size() % 11 == 0, "11 tensors a layer");
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == h);
+  // taps [N, len(tap_layers), H]: the hidden state after the first tap_layers[j] layers.
+  const int64_t num_taps = int64_t(tap_layers.size());
+  TORCH_CHECK(num_taps == 0 || (taps.is_contiguous() && taps.scalar_type() == at::kBFloat16 &&
+                                taps.size(0) == x.size(0) && taps.size(1) == num_taps &&
+                                taps.size(2) == h), "taps must be [N, len(tap_layers), H]");
 
   std::vector<Row> rows;
   std::vector<int64_t> positions;  // [N]: each new position's index in its sequence
@@ -686,6 +691,13 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
         swiglu(gate_up + i * 2 * inter, inter, act + i * inter);
     });
     linear_into(act, n, weight_of(w[9], none, w[10], h), hidden, hidden);
+    // 6. Keep the hidden state where a tap asks for it.
+    for (int64_t j = 0; j < num_taps; j++) {
+      if (tap_layers[j] != int64_t(layer) + 1) continue;
+      bf16* out = reinterpret_cast<bf16*>(taps.data_ptr());
+      for (int64_t i = 0; i < n; i++)
+        std::memcpy(out + (i * num_taps + j) * h, hidden + i * h, h * 2);
+    }
   }
 }
 

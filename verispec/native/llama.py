@@ -151,15 +151,18 @@ class KVCache:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.keys = self.values = None
         self.features = None  # [capacity, H]: each position's last hidden state, before the norm
+        self.taps = None  # [capacity, n, H]: hidden states inside the stack (NativeLlama.taps)
 
-    def reserve(self, length: int) -> None:
-        """Room for `length` positions and the padding short passes attend over."""
+    def reserve(self, length: int, num_taps: int = 0) -> None:
+        """Room for `length` positions and the padding short passes attend over (and for
+        num_taps tapped hidden states a position)."""
         if length > self.shape.max_positions:
             raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
                              f"{self.shape.max_positions}")
         length = padded_keys(length, self.shape.max_positions)
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if length <= capacity:
+            self._reserve_taps(num_taps)
             return
         capacity = min(self.shape.max_positions, max(length, 2 * capacity, 256))
         size = (self.shape.num_layers, self.shape.num_kv_heads, capacity, self.shape.head_dim)
@@ -172,6 +175,18 @@ class KVCache:
             keys[:, :, :old], values[:, :, :old] = self.keys, self.values
             features[:old] = self.features
         self.keys, self.values, self.features = keys, values, features
+        self._reserve_taps(num_taps)
+
+    def _reserve_taps(self, num_taps: int) -> None:
+        capacity = self.keys.shape[2]
+        if num_taps == 0 or (self.taps is not None and self.taps.shape[:2] == (capacity,
+                                                                               num_taps)):
+            return
+        taps = torch.zeros(capacity, num_taps, self.shape.hidden_size, dtype=self.dtype,
+                           device=self.device)
+        if self.taps is not None and self.taps.shape[1] == num_taps:
+            taps[: self.taps.shape[0]] = self.taps
+        self.taps = taps
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +227,9 @@ class NativeLlama:
         cos, sin = rope_tables(shape)
         self.cos, self.sin = (table.to(self.dtype).to(self.device) for table in (cos, sin))
         self.fused = self._fused_weights()
+        # Keep the hidden state after these many layers, for every position, in the caches'
+        # `taps` (set by a feature drafter that reads them; empty: none).
+        self.taps: tuple[int, ...] = ()
         # The PyTorch path's attention plan (unused when the C++ kernels run every layer).
         group = shape.num_heads // shape.num_kv_heads
         self.grouped_queries = self.fused is None and _rows_are_independent(
@@ -292,38 +310,44 @@ class NativeLlama:
         (tests/test_batch.py, tests/test_kernels.py)."""
         lengths = [int(row.ids.numel()) for row in rows]
         for row, length in zip(rows, lengths, strict=True):
-            row.cache.reserve(row.start + length)
+            row.cache.reserve(row.start + length, len(self.taps))
         if inputs is None:
             inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
         x = inputs  # [N, H]
+        taps = torch.empty(x.shape[0], len(self.taps), x.shape[1], dtype=self.dtype,
+                           device=self.device)  # [N, n, H]
         if self.fused is not None:
-            x = self._fused_layers(rows, lengths, x)
+            x = self._fused_layers(rows, lengths, x, taps)
         else:
-            x = self._torch_layers(rows, lengths, x)
+            x = self._torch_layers(rows, lengths, x, taps)
         # The head, only for the positions whose logits are wanted.
         ends = list(itertools.accumulate(lengths))
         for row, length, end in zip(rows, lengths, ends, strict=True):
             row.cache.features[row.start:row.start + length] = x[end - length:end]
+            if self.taps:
+                row.cache.taps[row.start:row.start + length] = taps[end - length:end]
         wanted = torch.cat([torch.arange(end - row.num_logits, end)
                             for row, end in zip(rows, ends, strict=True)])
         logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
         return list(logits.split([row.num_logits for row in rows]))
 
-    def _fused_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor
-                      ) -> torch.Tensor:
-        """Every decoder layer in one C++ call (kernels.cpp): x [N, H] -> [N, H]."""
+    def _fused_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor,
+                      taps: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer in one C++ call (kernels.cpp): x [N, H] -> [N, H], the tapped
+        hidden states into taps [N, n, H]."""
         shape = self.shape
         x = x.contiguous().clone()  # updated in place
         self.kernels.forward_layers(
             x, self.fused, self.cos, self.sin, [row.cache.keys for row in rows],
             [row.cache.values for row in rows], [row.start for row in rows], lengths,
             [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-             shape.intermediate_size], shape.rms_norm_eps, INVARIANT_MAX)
+             shape.intermediate_size], shape.rms_norm_eps, INVARIANT_MAX, taps, list(self.taps))
         return x
 
-    def _torch_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor
-                      ) -> torch.Tensor:
-        """The decoder layers in PyTorch ops: x [N, H] -> [N, H]."""
+    def _torch_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor,
+                      taps: torch.Tensor) -> torch.Tensor:
+        """The decoder layers in PyTorch ops: x [N, H] -> [N, H], the tapped hidden states
+        into taps [N, n, H]."""
         shape = self.shape
         total = x.shape[0]
         positions = torch.cat([torch.arange(row.start, row.start + length)
@@ -351,6 +375,9 @@ class NativeLlama:
             # 3. SwiGLU MLP.
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+            for j, tap in enumerate(self.taps):
+                if tap == index + 1:
+                    taps[:, j] = x
         return x
 
     def _plan(self, start: int, length: int) -> list[QueryGroup] | None:
