@@ -4,6 +4,7 @@ alone and in batches, and a clear refusal where the target's features are not ke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -201,6 +202,9 @@ def test_feature_taps_are_checked():
     runner.model.taps = (2,)
     with pytest.raises(IncompatibleDraftError, match="another feature draft"):
         FeatureDrafter({}, torch.arange(VOCAB), model, VOCAB, taps=(1,)).follow(runner)
+    untapped = feature_drafter(model, VOCAB)
+    untapped.follow(runner)  # a head without taps reads none: no conflict
+    assert runner.model.taps == (2,)
 
 
 def test_distill_with_taps_writes_a_draft_that_reads_them_and_keeps_greedy_exact(
@@ -228,6 +232,9 @@ def test_distill_with_taps_writes_a_draft_that_reads_them_and_keeps_greedy_exact
     assert [o.token_ids for o in outputs] == [plain.generate(p, params).token_ids
                                               for p in prompts]
     assert sum(o.stats.drafted for o in outputs) > 0
+    # Resuming the run with other taps is refused, before any training.
+    with pytest.raises(ValueError, match="another shape"):
+        distill(dataclasses.replace(config, feature_taps=(1,), steps=40, resume=True))
     # A folder whose taps do not fit its weights is refused.
     meta["taps"] = []
     (result.draft / "verispec_draft.json").write_text(json.dumps(meta))

@@ -257,6 +257,11 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
     first = 0
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=True)
+        shapes = {name: tuple(value.shape) for name, value in head.state_dict().items()}
+        if {name: tuple(value.shape) for name, value in state["head"].items()} != shapes:
+            raise ValueError(f"{checkpoint} holds a head of another shape (feature taps "
+                             f"differ?): resume with the settings it was trained with, or "
+                             f"start a new --out")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])

@@ -52,14 +52,15 @@ class FeatureDrafter:
             raise IncompatibleDraftError("a feature draft reads the target's hidden states, which "
                                          "only the native runtime keeps: use --runtime native "
                                          "(or auto) with a Llama-family target")
-        if runner.model.taps not in ((), self.taps):
+        kept = runner.model.taps
+        if self.taps and kept and kept != self.taps:
             raise IncompatibleDraftError(f"the target already keeps the hidden states after "
-                                         f"layers {runner.model.taps} for another feature draft; "
-                                         f"this one reads {self.taps}")
+                                         f"layers {kept} for another feature draft; this one "
+                                         f"reads {self.taps}")
         if self.model is None:
             self.model = _FeatureModel(self.weights, self.head_token_ids, self.target_model,
                                        runner.model)
-        if runner.model.taps != self.taps:  # positions cached before were not tapped
+        if self.taps and kept != self.taps:  # the positions cached so far were not tapped
             runner.model.taps = self.taps
             runner.reset()
         self.runner = runner
