@@ -147,7 +147,7 @@ def target_features(native: NativeLlama, sequences: list[Sequence], max_length: 
     the data shards stored (written by the same runtime), else from a pass of `native`, the
     runtime the drafter will read them from; and its hidden states after `taps` layers (a pass
     of `native`: the shards do not store them)."""
-    examples = []
+    examples, kept = [], native.taps
     native.taps = tuple(taps)
     try:
         for seq in tqdm(sequences, desc="target features", unit="seq", mininterval=5):
@@ -164,7 +164,7 @@ def target_features(native: NativeLlama, sequences: list[Sequence], max_length: 
                 tapped = cache.taps[: ids.numel()].clone() if taps else None
             examples.append(FeatureExample(ids, seq.start, features, tapped))
     finally:
-        native.taps = ()
+        native.taps = kept
     return examples
 
 
