@@ -64,7 +64,7 @@ class FeatureHead(nn.Module):
     def __init__(self, shape: LlamaShape, taps: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.shape, self.taps = shape, tuple(taps)
-        if any(not 0 < tap < shape.num_layers for tap in self.taps):
+        if not taps_fit(self.taps, shape.num_layers):
             raise ValueError(f"feature taps must lie inside the target's {shape.num_layers} "
                              f"layers, got {self.taps}")
         hidden, heads, kv_heads, dim = (shape.hidden_size, shape.num_heads, shape.num_kv_heads,
@@ -128,6 +128,12 @@ class FeatureHead(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden)
             self.fc.weight[:, hidden:].normal_(0, 0.02 / math.sqrt(hidden))
+
+
+def taps_fit(taps: tuple[int, ...], num_layers: int) -> bool:
+    """Taps read inside the stack: after 1..num_layers-1 layers (after all of them is the
+    feature itself)."""
+    return all(0 < tap < num_layers for tap in taps)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -371,7 +377,7 @@ def load_feature_weights(folder, target: PreTrainedModel, tokenizer=None
     head_token_ids = weights.pop("head_token_ids")
     taps = tuple(int(t) for t in meta.get("taps", ()))
     num_layers = target.config.num_hidden_layers
-    if any(not 0 < t < num_layers for t in taps) or ("fc_taps.weight" in weights) != bool(taps):
+    if not taps_fit(taps, num_layers) or ("fc_taps.weight" in weights) != bool(taps):
         raise IncompatibleDraftError(f"{folder}: its taps {taps} do not fit its weights or the "
                                      f"target's {num_layers} layers")
     return weights, head_token_ids, taps

@@ -574,7 +574,8 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                     const std::vector<torch::Tensor>& keys,
                     const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& lengths, std::vector<int64_t> sizes, double eps,
-                    int64_t short_pass, torch::Tensor taps, const std::vector<int64_t>& tap_layers) {
+                    int64_t short_pass, torch::Tensor taps,
+                    const std::vector<int64_t>& tap_layers) {
   const Shape shape{sizes.at(0), sizes.at(1), sizes.at(2), sizes.at(3), sizes.at(4), float(eps)};
   const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim;
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
@@ -641,12 +642,12 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   }
   // A batch's costliest tasks first (queries x keys), so the threads finish together.
   const bool balance = rows.size() > 1;
-  if (balance) std::stable_sort(groups.begin(), groups.end(), [&](const QueryGroup& a, const QueryGroup& b) {
-    const auto cost = [&](const QueryGroup& g) {
-      return (g.last - g.first) * (rows[g.row].start + rows[g.row].length);
-    };
-    return cost(a) > cost(b);
-  });
+  const auto cost = [&](const QueryGroup& g) {
+    return (g.last - g.first) * (rows[g.row].start + rows[g.row].length);
+  };
+  if (balance)
+    std::stable_sort(groups.begin(), groups.end(),
+                     [&](const QueryGroup& a, const QueryGroup& b) { return cost(a) > cost(b); });
 
   for (size_t layer = 0; layer * 11 < layers.size(); layer++) {
     // attn_norm, mlp_norm, qkv bias (fp32, or empty), then packed weights and their scales
@@ -680,7 +681,7 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
     if (d % TILE_K == 0) {
       // Tasks of up to 16 queries that share a KV head: a decode step's query heads one by
       // one (more tasks for the threads), a verification pass's positions and heads together.
-      parallel_tasks<GroupScratch>(int64_t(groups.size()), balance, [&](int64_t task, GroupScratch& s) {
+      const auto attend_task = [&](int64_t task, GroupScratch& s) {
         const QueryGroup& g = groups[task];
         const Row& row = rows[g.row];
         s.queries.clear();
@@ -693,17 +694,19 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
         const int64_t base = (int64_t(layer) * shape.kv_heads + g.kv_head) * row.capacity * d;
         attend_group(s.queries.data(), int64_t(s.queries.size()), row.keys + base,
                      row.values + base, row.capacity, d, scale, s.scores, s.weights);
-      });
+      };
+      parallel_tasks<GroupScratch>(int64_t(groups.size()), balance, attend_task);
     } else {
-      parallel_tasks<std::vector<float>>(
-          int64_t(short_queries.size()) * shape.heads, balance, [&](int64_t task, std::vector<float>& scores) {
+      const auto attend_task = [&](int64_t task, std::vector<float>& scores) {
         scores.resize(longest + 16);
         const int64_t i = short_queries[task / shape.heads], head = task % shape.heads;
         const Row& row = rows[owner[i]];
         const int64_t base = (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
         attend_one(qkv + i * qkv_width + head * d, row.keys + base, row.values + base,
                    positions[i] + 1, d, scale, scores.data(), attended + i * q_width + head * d);
-      });
+      };
+      parallel_tasks<std::vector<float>>(int64_t(short_queries.size()) * shape.heads, balance,
+                                         attend_task);
     }
     for (const Row& row : rows)
       if (row.length > short_pass) attend_prompt(row, layer, shape, qkv, qkv_width, attended);

@@ -314,8 +314,8 @@ class NativeLlama:
         if inputs is None:
             inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
         x = inputs  # [N, H]
-        taps = torch.empty(x.shape[0], len(self.taps), x.shape[1], dtype=self.dtype,
-                           device=self.device)  # [N, n, H]
+        taps = torch.empty(x.shape[0] if self.taps else 0, len(self.taps), x.shape[1],
+                           dtype=self.dtype, device=self.device)  # [N, n, H]: only when kept
         if self.fused is not None:
             x = self._fused_layers(rows, lengths, x, taps)
         else:
