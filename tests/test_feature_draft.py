@@ -104,6 +104,42 @@ def test_greedy_with_the_feature_draft_equals_plain_greedy(run, target, dtype):
          for p, n in zip(prompts, (40, 13, 27), strict=True)]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, target, dtype,
+                                                                          monkeypatch):
+    """Trees of the head's best continuations, verified in one target pass each: the output
+    is still plain greedy decoding's, and paths through other than the first child are taken.
+    A sampled row in the same batch drafts chains and gets what it gets alone."""
+    _, result = run
+    model, tokenizer = target
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime="native", dtype=dtype)
+    prompts = ["What is photosynthesis?", "abcabcabc", "Write a poem about the sea."]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 13, 27)]
+    expected = [plain.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    paths = []
+    verify_tree = engine_module.greedy_verify_tree
+    monkeypatch.setattr(engine_module, "greedy_verify_tree", lambda tokens, parents, logits: (
+        paths.append((parents.tolist(), verify_tree(tokens, parents, logits)[1]))
+        or verify_tree(tokens, parents, logits)))
+    for name in (str(result.draft), f"hybrid:{result.draft}"):
+        drafter = make_drafter(name, model, tokenizer)
+        (drafter.model if isinstance(drafter, HybridDrafter) else drafter).tree_width = 3
+        for k in (3, "auto"):
+            spec = SpeculativeDecoder(model, tokenizer, drafter, k=k, runtime="native",
+                                      dtype=dtype)
+            alone = [spec.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            assert [o.token_ids for o in alone] == expected
+            assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert paths and max(len(parents) for parents, _ in paths) > 3  # wider than a chain of 3
+    # Some accepted node is not its parent's first child: the tree found what a chain missed.
+    assert any(parents.index(parents[node]) != node for parents, path in paths for node in path)
+    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
+    spec = SpeculativeDecoder(model, tokenizer, drafter, k=3, runtime="native", dtype=dtype)
+    mixed = spec.generate(prompts[:2], [params[0], sampled])
+    assert mixed[0].token_ids == expected[0]
+    assert mixed[1].token_ids == spec.generate(prompts[1], sampled).token_ids
+
+
 def test_a_target_without_kept_features_is_refused(run, target):
     _, result = run
     model, tokenizer = target

@@ -88,6 +88,20 @@ def test_a_row_of_a_batch_pays_its_share_of_the_bigger_pass():
     assert optimal_k(0.5, 0.0, batch.verify) == 1 and optimal_k(0.5, 0.0, share.verify) == 2
 
 
+def test_trees_are_priced_by_their_nodes():
+    chain = costs(0.05, [1.0, 1.02, 1.04, 1.06, 1.08])  # v(1..5), +0.02 a position
+    tree = chain.tree(3)
+    # depth k holds 3k nodes + the root: v(1), v(4), v(7) (past the table: along its last step)
+    assert tree.verify == pytest.approx((1.0, 1.06, 1.12, 1.18, 1.24, 1.30))
+    assert chain.tree(1) is chain and chain.tree(16).verify == pytest.approx((1.0, 1.32))
+    policy = AdaptiveK(chain, tree_width=3)
+    for _ in range(20):
+        policy.update(0, 2, 1)  # half the depths accepted
+    assert policy.next_k() == optimal_k(policy.gamma(0), 0.05, tree.verify, tree.k_max)
+    assert policy.next_k() < AdaptiveK(chain, policy.estimates).next_k()  # dearer per depth
+    assert policy.keep(3, 4) == AdaptiveK(chain, policy.estimates).keep(3, 4)  # lookups: chains
+
+
 def test_optimal_k_with_a_verify_curve():
     assert optimal_k(0.8, 0.0, [1.0, 1.0, 1.0, 1.0]) == 3  # free verification: draft all
     assert optimal_k(0.8, 0.0, [1.0, 1.9, 2.8]) == 0  # every extra position costs ~ a step

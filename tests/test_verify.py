@@ -5,7 +5,13 @@ import torch
 from conftest import always_accept
 from scipy.stats import chisquare
 
-from verispec.verify import PAD_TOKEN, greedy_verify, rejection_sample, residual
+from verispec.verify import (
+    PAD_TOKEN,
+    greedy_verify,
+    greedy_verify_tree,
+    rejection_sample,
+    residual,
+)
 
 V = 6
 
@@ -118,6 +124,29 @@ def test_greedy_verify_table():
     assert tokens.tolist() == [[5, 1, 2, 4]] and accepted.tolist() == [3]
     tokens, accepted = greedy_verify(torch.empty(1, 0, dtype=torch.long), logits[:, :1])
     assert tokens.tolist() == [[5]] and accepted.tolist() == [0]
+
+
+def test_greedy_verify_tree_follows_the_targets_argmax_through_any_child():
+    # root -> {5 (0), 6 (1)}; 6 -> {7 (2), 8 (3)}; 8 -> {9 (4)}
+    tokens, parents = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 1, 1, 3])
+    logits = torch.full((6, 12), -1.0)  # after the root, then after each node
+    for row, token in enumerate([6, 0, 8, 0, 9, 4]):
+        logits[row, token] = 1.0
+    assert greedy_verify_tree(tokens, parents, logits) == ([6, 8, 9, 4], [1, 3, 4])
+    logits[4] = -1.0
+    logits[4, 2] = 1.0  # after 8 the target wants 2, which is not 8's child (9)
+    assert greedy_verify_tree(tokens, parents, logits) == ([6, 8, 2], [1, 3])
+    logits[0] = -1.0
+    logits[0, 3] = 1.0  # no child of the root: plain greedy's token, nothing accepted
+    assert greedy_verify_tree(tokens, parents, logits) == ([3], [])
+    # a chain as a tree gives what greedy_verify gives
+    chain = torch.tensor([6, 8, 9])
+    chain_logits = logits[[0, 2, 4, 5]].clone()
+    chain_logits[0] = logits[1] * 0 - 1
+    chain_logits[0, 6] = 1.0
+    expected, accepted = greedy_verify(chain[None], chain_logits[None])
+    got, path = greedy_verify_tree(chain, torch.tensor([-1, 0, 1]), chain_logits)
+    assert got == expected[0, : int(accepted[0]) + 1].tolist() and len(path) == int(accepted[0])
 
 
 # --- Monte Carlo through the real function --------------------------------------------------

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from verispec import loading
 from verispec.drafters import Drafter, FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.drafters.base import follow_target
+from verispec.drafters.hybrid import tree_width
 from verispec.engine import speculate
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
@@ -121,7 +122,7 @@ class SpeculativeDecoder:
     def new_policy(self) -> KPolicy:
         """A fresh K policy for one request."""
         if self.k == "auto":
-            return AdaptiveK(self.costs)
+            return AdaptiveK(self.costs, tree_width=tree_width(self.drafter))
         if self.k == "heuristic":
             return HeuristicK(k=HEURISTIC_START_K)
         return FixedK(self.k)

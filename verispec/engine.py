@@ -24,7 +24,7 @@ from verispec.policy import KPolicy
 from verispec.runtime import CachedModel
 from verispec.sampling import warp
 from verispec.stats import StatsRecorder
-from verispec.verify import greedy_verify, rejection_sample
+from verispec.verify import greedy_verify, greedy_verify_tree, rejection_sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,11 @@ class Round:
     draft: Draft
     ids: torch.Tensor  # [L + K'] history + draft tokens
     num_logits: int  # K' + 1
+
+    @property
+    def parents(self) -> torch.Tensor | None:
+        """The draft's tree links, for the target pass (None: a chain)."""
+        return self.draft.parents
 
 
 class Sequence:
@@ -58,7 +63,7 @@ class Sequence:
     def begin(self, draft: Draft) -> Round:
         """The target pass for this draft; the policy may verify only part of it, by the kind
         of proposal it is."""
-        draft = draft.truncated(self.policy.keep(draft.source, len(draft)))
+        draft = draft.truncated(self.policy.keep(draft.source, draft.depth))
         return Round(draft, torch.cat([self.history, draft.tokens]), len(draft) + 1)
 
     def finish(self, round: Round, target_logits: torch.Tensor) -> list[int]:
@@ -66,15 +71,22 @@ class Sequence:
         draft = round.draft
         draft_tokens = draft.tokens.unsqueeze(0).to(target_logits.device)  # [1, K']
         target_logits = target_logits.unsqueeze(0)  # [1, K'+1, V]
-        # 1. Verify.
-        if self.params.greedy:
+        # 1. Verify (a tree: the path the target's argmax follows).
+        if draft.parents is not None:
+            if not self.params.greedy:
+                raise ValueError("token trees are verified greedily; sampled rows draft chains")
+            new_tokens, path = greedy_verify_tree(draft.tokens, draft.parents, target_logits[0])
+            accepted = len(path)
+        elif self.params.greedy:
             tokens, num_accepted = greedy_verify(draft_tokens, target_logits)
+            accepted = int(num_accepted[0])
+            new_tokens = tokens[0, : accepted + 1].tolist()  # the one host sync of the round
         else:
             draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)
             tokens, num_accepted = rejection_sample(
                 draft_tokens, draft_probs, warp(target_logits, self.params), self.generator)
-        accepted = int(num_accepted[0])
-        new_tokens = tokens[0, : accepted + 1].tolist()  # the one host sync of the round
+            accepted = int(num_accepted[0])
+            new_tokens = tokens[0, : accepted + 1].tolist()
         # 2. Cut at EOS and at the budget, then append.
         new_tokens = new_tokens[: self.budget - self.generated]
         if not self.params.ignore_eos:
@@ -82,9 +94,9 @@ class Sequence:
                 if token in self.eos_ids:
                     new_tokens, self.finished = new_tokens[: i + 1], True
                     break
-        # 3. Bookkeeping.
-        self.policy.update(draft.source, len(draft), accepted)
-        self.stats.record_round(len(draft), accepted, len(new_tokens))
+        # 3. Bookkeeping (a tree counts as a chain of its depth: acceptance per position).
+        self.policy.update(draft.source, draft.depth, accepted)
+        self.stats.record_round(draft.depth, accepted, len(new_tokens))
         self.history = torch.cat([self.history, torch.tensor(new_tokens, dtype=torch.long)])
         self.generated += len(new_tokens)
         self.finished = self.finished or self.generated >= self.budget
@@ -112,6 +124,7 @@ def speculate(
                               policies=[policy])[0]
         # 2. One target pass over the K' + 1 positions that follow the history.
         round = sequence.begin(draft)
-        target_logits = target.logits(round.ids, round.num_logits)  # [K'+1, V]
+        target_logits = target.logits(round.ids, round.num_logits,
+                                      round.parents)  # [K'+1, V]
         # 3. Verify and append.
         yield sequence.finish(round, target_logits)

@@ -91,6 +91,23 @@ class CostModel:
         return dataclasses.replace(self, verify=tuple(1.0 + (v - 1.0) / batch
                                                       for v in self.verify))
 
+    def tree(self, width: int, max_nodes: int = 15) -> CostModel:
+        """The prices of token trees `width` wide, by depth: verify[k] = v(width k + 1), a pass
+        over the tree's nodes and the root, extended past the measured positions along the
+        last measured step; depth up to max_nodes // width. Width 1 is this model."""
+        if width <= 1:
+            return self
+        slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 0.0
+
+        def v(positions: int) -> float:
+            last = len(self.verify)
+            if positions <= last:
+                return self.verify[positions - 1]
+            return self.verify[-1] + slope * (positions - last)
+
+        depth = max(1, max_nodes // width)
+        return dataclasses.replace(self, verify=tuple(v(width * k + 1) for k in range(depth + 1)))
+
 
 @dataclass(slots=True)
 class AcceptanceEstimate:
@@ -130,6 +147,9 @@ class AdaptiveK:
 
     costs: CostModel
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
+    # The draft model's proposals are token trees this wide (source 0): K is their depth,
+    # priced by the tree's nodes (CostModel.tree), with gamma the acceptance per depth.
+    tree_width: int = 1
 
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
@@ -137,16 +157,18 @@ class AdaptiveK:
     def next_k(self, free: bool = False) -> int:
         if free or self.costs.draft_step < CHEAP_DRAFT:
             return self.costs.k_max
-        return self._best_k(self.gamma(0))
+        return self._best_k(self.gamma(0), self.tree_width)
 
     def keep(self, source: int, proposed: int) -> int:
-        return min(proposed, self._best_k(self.gamma(source)))
+        width = self.tree_width if source == 0 else 1
+        return min(proposed, self._best_k(self.gamma(source), width))
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
 
-    def _best_k(self, gamma: float) -> int:
-        return optimal_k(gamma, self.costs.draft_step, self.costs.verify, self.costs.k_max)
+    def _best_k(self, gamma: float, width: int = 1) -> int:
+        costs = self.costs.tree(width)
+        return optimal_k(gamma, costs.draft_step, costs.verify, costs.k_max)
 
     def _estimate(self, source: int) -> AcceptanceEstimate:
         if source not in self.estimates:

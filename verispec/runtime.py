@@ -67,12 +67,16 @@ class CachedModel:
             self._cached_ids = self._cached_ids[:length]
 
     @torch.inference_mode()
-    def logits(self, ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, num_logits: int = 1,
+               parents: torch.Tensor | None = None) -> torch.Tensor:
         """ids [L] (cpu long) -> logits [num_logits, V] for the last num_logits positions.
 
         Example: cache holds [a, b, c, x]; ids = [a, b, c, y, z], num_logits = 2 -> rollback to
         [a, b, c], feed [y, z], return the logits after y and after z.
+        parents: the last num_logits - 1 ids are a token tree (native runtime only).
         """
+        if parents is not None:
+            raise ValueError("token trees need the native runtime (--runtime native or auto)")
         keep = self.prepare(ids, num_logits)
         logits = self._forward(ids[keep:], keep, num_logits)
         self.commit(ids)
@@ -183,18 +187,20 @@ def _max_positions(config) -> int:
 
 
 def batched_logits(runners: list[CachedModel], sequences: list[torch.Tensor],
-                   num_logits: list[int]) -> list[torch.Tensor]:
-    """runner.logits(ids, n) for many sequences: one forward pass when the runners are native
-    runners of one model, one pass per sequence otherwise (transformers' runtime keeps each
-    sequence in its own cache). Either way a row's logits equal what it gets alone."""
+                   num_logits: list[int], parents: list[torch.Tensor | None] | None = None
+                   ) -> list[torch.Tensor]:
+    """runner.logits(ids, n[, parents]) for many sequences: one forward pass when the runners
+    are native runners of one model, one pass per sequence otherwise (transformers' runtime
+    keeps each sequence in its own cache). Either way a row's logits equal what it gets alone."""
     from verispec.native import NativeCachedModel
     from verispec.native import batched_logits as native_batched
 
+    parents = parents or [None] * len(runners)
     if runners and all(isinstance(r, NativeCachedModel) and r.model is runners[0].model
                        for r in runners):
-        return native_batched(runners, sequences, num_logits)
-    return [runner.logits(ids, n)
-            for runner, ids, n in zip(runners, sequences, num_logits, strict=True)]
+        return native_batched(runners, sequences, num_logits, parents)
+    return [runner.logits(ids, n, p)
+            for runner, ids, n, p in zip(runners, sequences, num_logits, parents, strict=True)]
 
 
 RUNTIMES = ("auto", "hf", "native")

@@ -31,6 +31,7 @@ import torch
 
 from verispec.drafters.base import Drafter, follow_target
 from verispec.drafters.batch import propose_batch
+from verispec.drafters.hybrid import tree_width
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
 from verispec.policy import CHEAP_DRAFT, AdaptiveK
@@ -127,7 +128,7 @@ class Scheduler:
         # 3. One target pass over every row's history + draft.
         rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
         logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
-                                [rd.num_logits for rd in rounds])
+                                [rd.num_logits for rd in rounds], [rd.parents for rd in rounds])
         # 4. Each row verifies and accepts its own number of tokens; finished rows leave.
         events = []
         for request, round, row_logits in zip(running, rounds, logits, strict=True):
@@ -180,6 +181,8 @@ class Scheduler:
             return None
         costs = self.decoder.batch_costs(len(running))
         row_costs = costs.row_share(len(running))
+        if any(r.params.greedy for r in running):  # greedy rows draft trees: K is their depth
+            costs = costs.tree(tree_width(self.decoder.drafter))
         for policy in policies:  # each row's own cut (AdaptiveK.keep) pays its share of a pass
             policy.costs = row_costs
         if costs.draft_step < CHEAP_DRAFT:

@@ -109,6 +109,32 @@ def greedy_verify(
     return tokens, num_accepted
 
 
+def greedy_verify_tree(
+    draft_tokens: torch.Tensor,  # [K] long, in order of depth
+    parents: torch.Tensor,  # [K] long: each token's parent index, -1 for the root's children
+    target_logits: torch.Tensor,  # [K+1, V]: after the root, then after each draft token
+) -> tuple[list[int], list[int]]:
+    """Greedy verification of a token tree: from the root, follow the child that equals the
+    target's argmax while there is one. Returns (tokens: the accepted path's tokens, then the
+    target's argmax after it; path: the accepted draft indices). As with a chain, the emitted
+    tokens are exactly the target's argmax along the way: plain greedy decoding.
+
+    Example: tokens [5, 6, 7], parents [-1, -1, 1], argmax after root 6, after node 1 (6) 7,
+    after node 2 (7) 3 -> tokens [6, 7, 3], path [1, 2].
+    """
+    choice = greedy_tokens(target_logits).tolist()  # [K+1], the one host sync
+    tokens, parents = draft_tokens.tolist(), parents.tolist()
+    path, node = [], -1
+    while True:
+        want = choice[node + 1]
+        child = next((i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))
+                      if p == node and t == want), None)
+        if child is None:
+            return [tokens[i] for i in path] + [want], path
+        path.append(child)
+        node = child
+
+
 def _assemble(
     draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor
 ) -> torch.Tensor:

@@ -17,15 +17,35 @@ class Draft:
     # What kind of proposal this is, for acceptance statistics kept per kind (n-gram drafts: the
     # length of the matched n-gram, since longer matches are accepted far more often).
     source: int = 0
+    # A token tree instead of a chain: [k'] long, each token's parent among the tokens before
+    # it, -1 for a child of the history's last token; tokens in order of depth. Greedy only.
+    parents: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
 
-    def truncated(self, length: int) -> Draft:
-        if length >= len(self):
+    @property
+    def depths(self) -> list[int]:
+        """Each token's depth: 1 for the history's next token (a chain: 1, 2, ..., k')."""
+        if self.parents is None:
+            return list(range(1, len(self) + 1))
+        depths: list[int] = []
+        for parent in self.parents.tolist():
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def truncated(self, depth: int) -> Draft:
+        """The tokens up to this depth (a chain's first `depth` tokens)."""
+        if depth >= self.depth:
             return self
+        length = sum(1 for d in self.depths if d <= depth)
         probs = None if self.probs is None else self.probs[:length]
-        return Draft(self.tokens[:length], probs, self.source)
+        parents = None if self.parents is None else self.parents[:length]
+        return Draft(self.tokens[:length], probs, self.source, parents)
 
 
 class Drafter(Protocol):

@@ -24,7 +24,15 @@ from transformers import PreTrainedModel
 from verispec.drafters.base import Draft, empty_draft
 from verispec.drafters.model import fit_vocab
 from verispec.errors import IncompatibleDraftError
-from verispec.native.llama import LayerWeights, Linear, LlamaShape, NativeLlama, RowPass
+from verispec.native.llama import (
+    INVARIANT_MAX,
+    LayerWeights,
+    Linear,
+    LlamaShape,
+    NativeLlama,
+    RowPass,
+    TreeLinks,
+)
 from verispec.params import SamplingParams
 from verispec.runtime import common_prefix
 from verispec.sampling import greedy_tokens, sample, warp
@@ -44,6 +52,9 @@ class FeatureDrafter:
         self.model: _FeatureModel | None = None  # built on the first follow(), shared by forks
         self.cache = None
         self.fed = torch.empty(0, dtype=torch.long)  # history whose real pairs are in the cache
+        # Greedy rows draft a token tree this wide (the best `tree_width` continuations by the
+        # head's cumulative probability at every depth); 1: a chain.
+        self.tree_width = 1
 
     def follow(self, runner) -> None:
         from verispec.native.runner import NativeCachedModel
@@ -73,7 +84,7 @@ class FeatureDrafter:
     def fork(self) -> FeatureDrafter:
         other = FeatureDrafter(self.weights, self.head_token_ids, self.target_model,
                                self.vocab_size, self.taps)
-        other.model = self.model
+        other.model, other.tree_width = self.model, self.tree_width
         return other
 
     def propose(
@@ -91,6 +102,7 @@ class FeatureDrafter:
         if self.runner is None:
             raise RuntimeError("FeatureDrafter.follow(target runner) must come first")
         length = int(history.numel())
+        self.runner.settle(history)  # a tree's accepted path, into place
         # The target's features are good for the positions whose tokens it saw as they are.
         if k <= 0 or length < 2 or common_prefix(self.runner.cached_ids, history) < length - 1:
             return None
@@ -125,11 +137,23 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
             taps.append(target_cache.taps[first:history.numel() - 1])  # [T, n, H]
         drafters[i].fed = history
     logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
+    # 2. Greedy rows of a drafter with a tree width grow trees; the others draft chains.
+    trees = [n for n, i in enumerate(rows) if params[i].greedy and drafters[i].tree_width > 1]
+    if trees:
+        grown = _grow_trees(model, [drafters[rows[n]] for n in trees],
+                            [histories[rows[n]] for n in trees], [ks[rows[n]] for n in trees],
+                            [logits[n] for n in trees])
+        for n, draft in zip(trees, grown, strict=True):
+            drafts[rows[n]] = draft
+        logits = [row_logits for n, row_logits in enumerate(logits) if n not in trees]
+        rows = [i for n, i in enumerate(rows) if n not in trees]
+        if not rows:
+            return drafts
     positions = {i: int(histories[i].numel()) - 2 for i in rows}
     tokens: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     for step in range(max(ks[i] for i in rows)):
-        # 2. Each drafting row draws its next token from its own warped distribution.
+        # 3. Each drafting row draws its next token from its own warped distribution.
         for i, head_logits in zip(rows, logits, strict=True):  # [1, Vh]
             if params[i].greedy:  # the head's best token, without spreading it over V
                 token = drafters[i].head_token_ids[greedy_tokens(head_logits).cpu()]  # [1]
@@ -140,7 +164,7 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
                 token = sample(draft_probs, generators[i]).cpu()
                 probs[i].append(draft_probs[0])
             tokens[i].append(token)
-        # 3. Rows that want more read (their predicted feature, the token) in one pass.
+        # 4. Rows that want more read (their predicted feature, the token) in one pass.
         rows = [i for i in rows if ks[i] > step + 1]
         if not rows:
             break
@@ -154,6 +178,79 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
     for i, row_tokens in tokens.items():
         drafts[i] = Draft(torch.cat(row_tokens), torch.stack(probs[i]) if probs[i] else None)
     return drafts
+
+
+def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
+                histories: list[torch.Tensor], ks: list[int], root_logits: list[torch.Tensor]
+                ) -> list[Draft]:
+    """Greedy token trees, in lockstep: at every depth up to k, the `tree_width` best children
+    (by the head's cumulative log-probability) of the nodes at the depth above; each depth but
+    the last is one head pass over every row's new nodes, as tree nodes in the draft's cache
+    (slot L-1 on, under the last real pair at L-2). root_logits: per row [1, Vh]."""
+    trees = []
+    for drafter, history, k, logits in zip(drafters, histories, ks, root_logits, strict=True):
+        width = drafter.tree_width
+        base = int(history.numel()) - 1  # the draft cache's first tree slot
+        trees.append(_Tree(width, min(k, (INVARIANT_MAX - 1) // width), base))
+        trees[-1].add_children(logits.float().log_softmax(-1), [-1], drafter.head_token_ids)
+    for depth in range(2, max(tree.depth for tree in trees) + 1):
+        growing = [n for n, tree in enumerate(trees) if tree.depth >= depth]
+        if not growing:
+            break
+        passes, links, fed = [], [], []
+        for n in growing:
+            tree, cache = trees[n], drafters[n].cache
+            nodes = tree.frontier
+            parent_slots = [tree.slot_of(tree.parents[node]) for node in nodes]
+            start = tree.base + len(tree.slots)
+            tree.slots.update({node: start + j for j, node in enumerate(nodes)})
+            tree.slot_parents.extend(parent_slots)
+            passes.append((cache, cache.features[parent_slots],
+                           torch.tensor([tree.tokens[node] for node in nodes]), start))
+            links.append(TreeLinks(tree.base, torch.tensor(tree.slot_parents)))
+            fed.append(nodes)
+        logits = model.step_rows(passes, trees=links)  # per row [T, Vh]
+        for n, nodes, node_logits in zip(growing, fed, logits, strict=True):
+            trees[n].add_children(node_logits.float().log_softmax(-1), nodes,
+                                  drafters[n].head_token_ids)
+    return [tree.draft() for tree in trees]
+
+
+class _Tree:
+    """A greedy token tree as it grows: nodes in order of depth, each with its parent, token,
+    cumulative log-probability and, once fed to the head, its slot in the draft's cache."""
+
+    def __init__(self, width: int, depth: int, base: int) -> None:
+        self.width, self.depth, self.base = width, depth, base
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.frontier: list[int] = []  # the nodes of the deepest level so far
+        self.slots: dict[int, int] = {}  # node -> draft cache slot
+        self.slot_parents: list[int] = []  # the parent slot of slot base, base + 1, ...
+
+    def slot_of(self, node: int) -> int:
+        return self.base - 1 if node < 0 else self.slots[node]
+
+    def add_children(self, log_probs: torch.Tensor, nodes: list[int],
+                     head_token_ids: torch.Tensor) -> None:
+        """log_probs [len(nodes), Vh]: the head's next-token log-probabilities after each of
+        nodes (-1: the root) -> the `width` best of their children join the tree."""
+        base_scores = torch.tensor([0.0 if node < 0 else self.scores[node] for node in nodes])
+        top, index = log_probs.topk(self.width, dim=-1)  # [n, w] each
+        totals = (base_scores[:, None] + top).flatten()  # [n w]
+        best = totals.topk(min(self.width, totals.numel())).indices.tolist()
+        self.frontier = []
+        for flat in best:
+            row, column = divmod(flat, self.width)
+            self.frontier.append(len(self.tokens))
+            self.tokens.append(int(head_token_ids[index[row, column]]))
+            self.parents.append(nodes[row])
+            self.scores.append(float(totals[flat]))
+
+    def draft(self) -> Draft:
+        return Draft(torch.tensor(self.tokens, dtype=torch.long), None, 0,
+                     torch.tensor(self.parents, dtype=torch.long))
 
 
 def tap_inputs(taps: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,17 +287,20 @@ class _FeatureModel:
         self.native = NativeLlama(shape, self.embed, [layer], target_native.final_norm,
                                   Linear(head.to(dtype=dtype, device=device).contiguous()))
 
-    def step_rows(self, passes: list[tuple], taps: torch.Tensor | None = None
-                  ) -> list[torch.Tensor]:
+    def step_rows(self, passes: list[tuple], taps: torch.Tensor | None = None,
+                  trees: list[TreeLinks] | None = None) -> list[torch.Tensor]:
         """For every (cache, features [T, H], next_ids [T], start): the pairs at positions
         start.. in one pass, with the target's taps [N, n, H] at them if given -> per row
         logits [1, Vh] of its last position; the predicted features land in each cache's
-        features."""
+        features. With trees (one per pass), the pairs are tree nodes in those slots, and
+        every one's logits come back: [T, Vh]."""
         features = torch.cat([features for _, features, _, _ in passes])  # [N, H]
         next_ids = torch.cat([ids for _, _, ids, _ in passes])  # [N]
         inputs = self.fc(torch.cat([features, self.embed[next_ids]], dim=-1))  # [N, H]
         if taps is not None:
             inputs = inputs + self.fc_taps(tap_inputs(taps, self.eps))
+        trees = trees or [None] * len(passes)
         return self.native.forward_rows(
-            [RowPass(cache, ids, start, 1) for cache, _, ids, start in passes], inputs=inputs)
+            [RowPass(cache, ids, start, 1 if tree is None else int(ids.numel()), tree)
+             for (cache, _, ids, start), tree in zip(passes, trees, strict=True)], inputs=inputs)
 

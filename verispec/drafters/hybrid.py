@@ -52,3 +52,10 @@ class HybridDrafter:
         if len(draft):
             return draft
         return self.model.propose(history, k, params, generator)
+
+
+def tree_width(drafter) -> int:
+    """How wide the token trees are that a drafter proposes for greedy rows (1: chains)."""
+    if isinstance(drafter, HybridDrafter):
+        drafter = drafter.model
+    return drafter.tree_width if isinstance(drafter, FeatureDrafter) else 1

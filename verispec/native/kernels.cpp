@@ -380,12 +380,38 @@ struct Query {
   const bf16* q;  // [d]
   int64_t count;  // attends over keys 0..count-1
   bf16* out;      // [d]
+  // Its keys and values from attend_group's `tail_start` on, in position order, zero past
+  // `count` (`tail_rows` of them): a tree node's path (see forward_layers); null: the cache's.
+  const bf16* tail_keys = nullptr;
+  const bf16* tail_values = nullptr;
+  int64_t tail_rows = 0;
 };
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void
 attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* values,
              int64_t capacity, int64_t d, float scale, std::vector<float>& scores,
-             std::vector<bf16>& weights) {
+             std::vector<bf16>& weights, int64_t tail_start = INT64_MAX) {
+  // Where query c reads the keys (values) of block `first`: the cache, or from tail_start on
+  // its own tail; blocks past a source's rows are staged, zero-padded.
+  struct Source {
+    const bf16* keys;
+    const bf16* values;
+    int64_t rows, first;  // rows of the source, the block's first row in it
+  };
+  const auto source = [&](int64_t c, int64_t first) -> Source {
+    if (first < tail_start || queries[c].tail_keys == nullptr)
+      return {keys, values, capacity, first};
+    return {queries[c].tail_keys, queries[c].tail_values, queries[c].tail_rows,
+            first - tail_start};
+  };
+  // Queries reading the same source as query c in block `first` (c's own bit included).
+  const auto sharing = [&](int64_t c, int64_t first) {
+    uint32_t members = 0;
+    const bf16* own = source(c, first).keys;
+    for (int64_t other = 0; other < count; other++)
+      if (source(other, first).keys == own) members |= 1u << other;
+    return members;
+  };
   int64_t longest = 0;
   for (int64_t c = 0; c < count; c++) longest = std::max(longest, queries[c].count);
   const int64_t stride = (longest + 15) / 16 * 16;  // scores row per query
@@ -402,29 +428,38 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
   load_tile_config(config);
   alignas(64) float block_scores[16 * 16];
   alignas(64) bf16 staged[16 * MAX_HEAD_DIM];
-  // 2. Scores, 16 keys at a time (a block past the cache's end is staged, zero-padded).
+  // 2. Scores, 16 keys at a time, one tile per source of the block (the cache; in a tree's
+  // tail, each node's path).
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(16));
   for (int64_t first = 0; first < longest; first += 16) {
-    const bf16* block = keys + first * d;
-    if (first + 16 > capacity) {
-      std::memset(staged, 0, sizeof(staged));
-      std::memcpy(staged, block, (capacity - first) * d * 2);
-      block = staged;
+    uint32_t done = 0;
+    for (int64_t c = 0; c < count; c++) {
+      if (done >> c & 1u) continue;
+      const uint32_t members = first < tail_start ? (1u << count) - 1u : sharing(c, first);
+      done |= members;
+      const Source from = source(c, first);
+      const bf16* block = from.keys + from.first * d;
+      if (from.first + 16 > from.rows) {
+        std::memset(staged, 0, sizeof(staged));
+        std::memcpy(staged, block, std::max<int64_t>(0, from.rows - from.first) * d * 2);
+        block = staged;
+      }
+      _tile_zero(0);
+      for (int64_t kb = 0; kb < d / TILE_K; kb++) {
+        _tile_loadd(1, block + kb * TILE_K, d * 2);
+        _tile_loadd(2, tiled + kb * (TILE_K / 2) * TILE_M * 2, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, block_scores, 64);
+      // The tile is [key][query]: each member's column, scaled, into its row of scores.
+      for (int64_t m = 0; m < count; m++)
+        if (members >> m & 1u)
+          _mm512_storeu_ps(scores.data() + m * stride + first,
+                           _mm512_mul_ps(_mm512_i32gather_ps(column, block_scores + m, 4),
+                                         _mm512_set1_ps(scale)));
     }
-    _tile_zero(0);
-    for (int64_t kb = 0; kb < d / TILE_K; kb++) {
-      _tile_loadd(1, block + kb * TILE_K, d * 2);
-      _tile_loadd(2, tiled + kb * (TILE_K / 2) * TILE_M * 2, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, block_scores, 64);
-    // The tile is [key][query]: each query's column, scaled, into its row of scores.
-    const __m512i column = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(16));
-    for (int64_t c = 0; c < count; c++)
-      _mm512_storeu_ps(scores.data() + c * stride + first,
-                       _mm512_mul_ps(_mm512_i32gather_ps(column, block_scores + c, 4),
-                                     _mm512_set1_ps(scale)));
   }
   // 3. Softmax per query, over its own keys: the exponentials rounded to bf16 as the weights
   // of step 4 (zero past the query's keys), 1 / their fp32 sum.
@@ -439,6 +474,7 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
   // nothing.
   alignas(64) bf16 pairs[16 * MAX_HEAD_DIM * 2];  // [16 key pairs][d][2]
   alignas(64) float sums[TILE_M * MAX_HEAD_DIM];
+  alignas(64) bf16 own_weights[TILE_M * 32];
   __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
   {
     alignas(64) uint16_t index[64];
@@ -454,23 +490,39 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
     load_tile_config(config);
     for (int64_t t = 0; t < tiles; t++) tile_zero(t);
     for (int64_t first = 0; first < padded; first += 32) {
-      for (int64_t r = 0; r < 16; r++) {  // interleave value rows first+2r, first+2r+1
-        const int64_t j = first + 2 * r;
-        for (int64_t dim = columns; dim < columns + tiles * 16; dim += 32) {
-          const __m512i a = j < capacity ? _mm512_loadu_si512(values + j * d + dim)
-                                         : _mm512_setzero_si512();
-          const __m512i b = j + 1 < capacity ? _mm512_loadu_si512(values + (j + 1) * d + dim)
-                                             : _mm512_setzero_si512();
-          _mm512_store_si512(pairs + r * 128 + (dim - columns) * 2,
-                             _mm512_permutex2var_epi16(a, low, b));
-          _mm512_store_si512(pairs + r * 128 + (dim - columns) * 2 + 32,
-                             _mm512_permutex2var_epi16(a, high, b));
+      uint32_t done = 0;
+      for (int64_t c = 0; c < count; c++) {  // one product per source of the block
+        if (done >> c & 1u) continue;
+        const uint32_t members = first < tail_start ? (1u << count) - 1u : sharing(c, first);
+        done |= members;
+        const Source from = source(c, first);
+        for (int64_t r = 0; r < 16; r++) {  // interleave value rows first+2r, first+2r+1
+          const int64_t j = from.first + 2 * r;
+          for (int64_t dim = columns; dim < columns + tiles * 16; dim += 32) {
+            const __m512i a = j < from.rows ? _mm512_loadu_si512(from.values + j * d + dim)
+                                            : _mm512_setzero_si512();
+            const __m512i b = j + 1 < from.rows
+                                  ? _mm512_loadu_si512(from.values + (j + 1) * d + dim)
+                                  : _mm512_setzero_si512();
+            _mm512_store_si512(pairs + r * 128 + (dim - columns) * 2,
+                               _mm512_permutex2var_epi16(a, low, b));
+            _mm512_store_si512(pairs + r * 128 + (dim - columns) * 2 + 32,
+                               _mm512_permutex2var_epi16(a, high, b));
+          }
         }
-      }
-      _tile_loadd(4, weights.data() + first, padded * 2);
-      for (int64_t t = 0; t < tiles; t++) {
-        _tile_loadd(5, pairs + t * 32, 256);
-        tile_product(t);
+        if (members == (1u << count) - 1u) {
+          _tile_loadd(4, weights.data() + first, padded * 2);
+        } else {  // the other sources' queries weigh these values zero: they add nothing
+          for (int64_t m = 0; m < TILE_M; m++)
+            for (int64_t j = 0; j < 32; j++)
+              own_weights[m * 32 + j] =
+                  m < count && (members >> m & 1u) ? weights[m * padded + first + j] : bf16(0);
+          _tile_loadd(4, own_weights, 64);
+        }
+        for (int64_t t = 0; t < tiles; t++) {
+          _tile_loadd(5, pairs + t * 32, 256);
+          tile_product(t);
+        }
       }
     }
     for (int64_t t = 0; t < tiles; t++) tile_store(t, sums + columns + t * 16, d * 4);
@@ -532,13 +584,26 @@ struct GroupScratch {
   std::vector<float> scores;
   std::vector<bf16> weights;
   std::vector<Query> queries;
+  std::vector<bf16> tails;  // tree nodes' staged keys and values
 };
 
 struct Row {
   bf16* keys;    // this row's cache [layers, kv_heads, capacity, d]
   bf16* values;
-  int64_t capacity, start, length, offset;  // new positions start..start+length-1 at x[offset..]
+  int64_t capacity, start, length, offset;  // new slots start..start+length-1 at x[offset..]
+  int64_t tree_base;  // -1, or the first slot of a token tree (verispec.native.llama.TreeLinks)
 };
+
+// A tree node's keys (or values) of one KV head, laid out as the chain to it holds them: rows
+// from..from+rows-1 of [slots 0..base-1, then its path's slots], zero past the path.
+void stage_path(const bf16* cache, int64_t base, const int64_t* path, int64_t path_length,
+                int64_t from, int64_t rows, int64_t d, bf16* out) {
+  std::memset(out, 0, rows * d * 2);
+  for (int64_t j = from; j < std::min(from + rows, base + path_length); j++) {
+    const int64_t slot = j < base ? j : path[j - base];
+    std::memcpy(out + (j - from) * d, cache + slot * d, d * 2);
+  }
+}
 
 // A prompt pass's attention (queries offset..offset+length-1 of qkv [N, width]) with torch's
 // fused causal kernel, into attended [N, heads d]: O(T^2) work, which one query at a time would
@@ -575,7 +640,10 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                     const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& lengths, std::vector<int64_t> sizes, double eps,
                     int64_t short_pass, torch::Tensor taps,
-                    const std::vector<int64_t>& tap_layers) {
+                    const std::vector<int64_t>& tap_layers,
+                    const std::vector<int64_t>& tree_bases,
+                    const std::vector<int64_t>& path_slots,
+                    const std::vector<int64_t>& path_offsets) {
   const Shape shape{sizes.at(0), sizes.at(1), sizes.at(2), sizes.at(3), sizes.at(4), float(eps)};
   const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim;
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
@@ -589,18 +657,35 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                                 taps.size(0) == x.size(0) && taps.size(1) == num_taps &&
                                 taps.size(2) == h), "taps must be [N, len(tap_layers), H]");
 
+  // Token trees (any rows with tree_bases[r] >= 0): new slot i attends over slots
+  // 0..base-1 and then path_slots[path_offsets[i]..path_offsets[i+1]-1] (its ancestors and
+  // itself), at position base - 1 + its depth; an empty path is an ordinary slot.
+  const bool trees = !tree_bases.empty();
+  TORCH_CHECK(!trees || (tree_bases.size() == starts.size() &&
+                         int64_t(path_offsets.size()) == n + 1), "tree arguments' sizes");
+  const auto path_length = [&](int64_t i) {
+    return trees ? path_offsets[i + 1] - path_offsets[i] : int64_t(0);
+  };
   std::vector<Row> rows;
-  std::vector<int64_t> positions;  // [N]: each new position's index in its sequence
+  std::vector<int64_t> positions;  // [N]: each new slot's position in its sequence
   std::vector<int64_t> owner;      // [N]: its row
   int64_t offset = 0;
   for (size_t r = 0; r < starts.size(); r++) {
     TORCH_CHECK(keys[r].is_contiguous() && values[r].is_contiguous());
+    const int64_t base = trees ? tree_bases[r] : -1;
     rows.push_back({reinterpret_cast<bf16*>(keys[r].data_ptr()),
                     reinterpret_cast<bf16*>(values[r].data_ptr()), keys[r].size(2), starts[r],
-                    lengths[r], offset});
+                    lengths[r], offset, base});
     TORCH_CHECK(starts[r] + lengths[r] <= keys[r].size(2), "cache too short");
+    TORCH_CHECK(base < 0 || (base >= 1 && lengths[r] <= short_pass), "bad tree row");
     for (int64_t t = 0; t < lengths[r]; t++) {
-      positions.push_back(starts[r] + t);
+      const int64_t i = offset + t, depth = path_length(offset + t);
+      TORCH_CHECK(depth == 0 || base >= 0, "a path in a row without a tree");
+      for (int64_t j = 0; j < depth; j++) {
+        const int64_t slot = path_slots[path_offsets[i] + j];
+        TORCH_CHECK(slot >= base && slot < starts[r] + lengths[r], "path slot out of the tree");
+      }
+      positions.push_back(depth ? base - 1 + depth : starts[r] + t);
       owner.push_back(int64_t(r));
     }
     offset += lengths[r];
@@ -684,29 +769,60 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
       const auto attend_task = [&](int64_t task, GroupScratch& s) {
         const QueryGroup& g = groups[task];
         const Row& row = rows[g.row];
+        const int64_t base = (int64_t(layer) * shape.kv_heads + g.kv_head) * row.capacity * d;
+        // A tree's nodes read their keys from the 32-key block holding slot base on in
+        // their own staged copies (one per node, shared by its query heads).
+        const int64_t tail_start = row.tree_base < 0 ? INT64_MAX : row.tree_base / 32 * 32;
+        const int64_t tail_rows = row.tree_base < 0 ? 0
+            : (row.start + row.length - tail_start + 31) / 32 * 32;
+        const int64_t nodes = (g.last - 1) / group - g.first / group + 1;
+        if (tail_rows) s.tails.resize(2 * nodes * tail_rows * d);
         s.queries.clear();
         for (int64_t member = g.first; member < g.last; member++) {
           const int64_t t = member / group, head = g.kv_head * group + member % group;
           const int64_t i = row.offset + t;
-          s.queries.push_back({qkv + i * qkv_width + head * d, positions[i] + 1,
-                               attended + i * q_width + head * d});
+          Query query{qkv + i * qkv_width + head * d, positions[i] + 1,
+                      attended + i * q_width + head * d};
+          if (path_length(i)) {
+            bf16* tail = s.tails.data() + 2 * (t - g.first / group) * tail_rows * d;
+            if (member % group == 0 || member == g.first) {
+              const int64_t* path = path_slots.data() + path_offsets[i];
+              stage_path(row.keys + base, row.tree_base, path, path_length(i), tail_start,
+                         tail_rows, d, tail);
+              stage_path(row.values + base, row.tree_base, path, path_length(i), tail_start,
+                         tail_rows, d, tail + tail_rows * d);
+            }
+            query.tail_keys = tail, query.tail_values = tail + tail_rows * d;
+            query.tail_rows = tail_rows;
+          }
+          s.queries.push_back(query);
         }
-        const int64_t base = (int64_t(layer) * shape.kv_heads + g.kv_head) * row.capacity * d;
         attend_group(s.queries.data(), int64_t(s.queries.size()), row.keys + base,
-                     row.values + base, row.capacity, d, scale, s.scores, s.weights);
+                     row.values + base, row.capacity, d, scale, s.scores, s.weights,
+                     tail_start);
       };
       parallel_tasks<GroupScratch>(int64_t(groups.size()), balance, attend_task);
     } else {
-      const auto attend_task = [&](int64_t task, std::vector<float>& scores) {
-        scores.resize(longest + 16);
+      const auto attend_task = [&](int64_t task, GroupScratch& s) {
+        s.scores.resize(longest + 16);
         const int64_t i = short_queries[task / shape.heads], head = task % shape.heads;
         const Row& row = rows[owner[i]];
         const int64_t base = (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
-        attend_one(qkv + i * qkv_width + head * d, row.keys + base, row.values + base,
-                   positions[i] + 1, d, scale, scores.data(), attended + i * q_width + head * d);
+        const bf16 *keys_of = row.keys + base, *values_of = row.values + base;
+        if (path_length(i)) {  // a tree node: its whole chain of keys, staged
+          const int64_t count = positions[i] + 1;
+          s.tails.resize(2 * count * d);
+          const int64_t* path = path_slots.data() + path_offsets[i];
+          stage_path(keys_of, row.tree_base, path, path_length(i), 0, count, d, s.tails.data());
+          stage_path(values_of, row.tree_base, path, path_length(i), 0, count, d,
+                     s.tails.data() + count * d);
+          keys_of = s.tails.data(), values_of = s.tails.data() + count * d;
+        }
+        attend_one(qkv + i * qkv_width + head * d, keys_of, values_of, positions[i] + 1, d,
+                   scale, s.scores.data(), attended + i * q_width + head * d);
       };
-      parallel_tasks<std::vector<float>>(int64_t(short_queries.size()) * shape.heads, balance,
-                                         attend_task);
+      parallel_tasks<GroupScratch>(int64_t(short_queries.size()) * shape.heads, balance,
+                                   attend_task);
     }
     for (const Row& row : rows)
       if (row.length > short_pass) attend_prompt(row, layer, shape, qkv, qkv_width, attended);

@@ -177,6 +177,18 @@ class KVCache:
         self.keys, self.values, self.features = keys, values, features
         self._reserve_taps(num_taps)
 
+    def move(self, sources: list[int], to: int) -> None:
+        """Copy the positions at slots `sources` (increasing, each >= its target) to slots
+        to, to + 1, ...: a token tree's accepted path into its place in the sequence."""
+        if not sources or sources == list(range(to, to + len(sources))):
+            return
+        at = torch.tensor(sources, device=self.device)
+        span = slice(to, to + len(sources))
+        self.keys[:, :, span], self.values[:, :, span] = self.keys[:, :, at], self.values[:, :, at]
+        self.features[span] = self.features[at]
+        if self.taps is not None:
+            self.taps[span] = self.taps[at]
+
     def _reserve_taps(self, num_taps: int) -> None:
         capacity = self.keys.shape[2]
         if num_taps == 0 or (self.taps is not None and self.taps.shape[:2] == (capacity,
@@ -206,13 +218,50 @@ def padded_keys(length: int, max_positions: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeLinks:
+    """A token tree in a cache: the slots from `base` on hold tree nodes, each the child of an
+    earlier slot; slot base - 1 (the last token of the sequence) is the root. A node attends
+    over slots 0..base-1 and then its ancestors and itself, in that order, so it sits at
+    position base - 1 + depth and sees exactly the keys it would see in a chain."""
+
+    base: int
+    parents: torch.Tensor  # [slots - base] long: the parent slot of slot base + j (>= base - 1)
+
+    def path(self, slot: int) -> list[int]:
+        """The slots of a node's ancestors below the root, then its own: [s_1, ..., slot]."""
+        path = []
+        while slot >= self.base:
+            path.append(slot)
+            slot = int(self.parents[slot - self.base])
+        if slot != self.base - 1:
+            raise ValueError(f"tree node's root is slot {slot}, not {self.base - 1}")
+        return path[::-1]
+
+
+@dataclass(frozen=True, slots=True)
 class RowPass:
-    """One sequence's part of a forward pass: ids [T] at positions start..start+T-1."""
+    """One sequence's part of a forward pass: ids [T] into cache slots start..start+T-1, at
+    positions start..start+T-1, or, where `tree` is given, the slots from tree.base on at their
+    positions in the tree."""
 
     cache: KVCache
     ids: torch.Tensor  # [T] long
     start: int
     num_logits: int  # logits wanted for the last num_logits positions
+    tree: TreeLinks | None = None
+
+    def paths(self) -> list[list[int]] | None:
+        """Per new slot, the tree slots it attends after slot base - 1 ([] for a slot below
+        base); None without a tree."""
+        if self.tree is None:
+            return None
+        length = int(self.ids.numel())
+        if self.tree.parents.numel() != self.start + length - self.tree.base:
+            raise ValueError("tree links must cover the slots from base to the pass's end")
+        if not 1 <= self.tree.base <= self.start + length or length > INVARIANT_MAX:
+            raise ValueError("a tree pass is a short pass over a non-empty prefix")
+        return [self.tree.path(slot) if slot >= self.tree.base else []
+                for slot in range(self.start, self.start + length)]
 
 
 class NativeLlama:
@@ -311,15 +360,16 @@ class NativeLlama:
         lengths = [int(row.ids.numel()) for row in rows]
         for row, length in zip(rows, lengths, strict=True):
             row.cache.reserve(row.start + length, len(self.taps))
+        paths = [row.paths() for row in rows]  # per row: None, or each slot's tree path
         if inputs is None:
             inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
         x = inputs  # [N, H]
         taps = torch.empty(x.shape[0] if self.taps else 0, len(self.taps), x.shape[1],
                            dtype=self.dtype, device=self.device)  # [N, n, H]: only when kept
         if self.fused is not None:
-            x = self._fused_layers(rows, lengths, x, taps)
+            x = self._fused_layers(rows, lengths, paths, x, taps)
         else:
-            x = self._torch_layers(rows, lengths, x, taps)
+            x = self._torch_layers(rows, lengths, paths, x, taps)
         # The head, only for the positions whose logits are wanted.
         ends = list(itertools.accumulate(lengths))
         for row, length, end in zip(rows, lengths, ends, strict=True):
@@ -331,27 +381,39 @@ class NativeLlama:
         logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
         return list(logits.split([row.num_logits for row in rows]))
 
-    def _fused_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor,
+    def _fused_layers(self, rows: list[RowPass], lengths: list[int],
+                      paths: list[list[list[int]] | None], x: torch.Tensor,
                       taps: torch.Tensor) -> torch.Tensor:
         """Every decoder layer in one C++ call (kernels.cpp): x [N, H] -> [N, H], the tapped
-        hidden states into taps [N, n, H]."""
+        hidden states into taps [N, n, H]. Tree rows pass each slot's path, flattened."""
         shape = self.shape
         x = x.contiguous().clone()  # updated in place
+        bases, slots, offsets = [], [], [0]  # offsets [N + 1] into slots, when any row is a tree
+        if any(row_paths is not None for row_paths in paths):
+            for row, length, row_paths in zip(rows, lengths, paths, strict=True):
+                bases.append(-1 if row.tree is None else row.tree.base)
+                for path in row_paths or [[]] * length:
+                    slots.extend(path)
+                    offsets.append(len(slots))
         self.kernels.forward_layers(
             x, self.fused, self.cos, self.sin, [row.cache.keys for row in rows],
             [row.cache.values for row in rows], [row.start for row in rows], lengths,
             [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-             shape.intermediate_size], shape.rms_norm_eps, INVARIANT_MAX, taps, list(self.taps))
+             shape.intermediate_size], shape.rms_norm_eps, INVARIANT_MAX, taps, list(self.taps),
+            bases, slots, offsets)
         return x
 
-    def _torch_layers(self, rows: list[RowPass], lengths: list[int], x: torch.Tensor,
+    def _torch_layers(self, rows: list[RowPass], lengths: list[int],
+                      paths: list[list[list[int]] | None], x: torch.Tensor,
                       taps: torch.Tensor) -> torch.Tensor:
         """The decoder layers in PyTorch ops: x [N, H] -> [N, H], the tapped hidden states
         into taps [N, n, H]."""
         shape = self.shape
         total = x.shape[0]
-        positions = torch.cat([torch.arange(row.start, row.start + length)
-                               for row, length in zip(rows, lengths, strict=True)])
+        positions = torch.tensor([
+            row.tree.base - 1 + len(path) if path else row.start + t
+            for row, length, row_paths in zip(rows, lengths, paths, strict=True)
+            for t, path in enumerate(row_paths or [[]] * length)])
         cos, sin = self.cos[positions], self.sin[positions]  # [N, d]
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
         plans = [self._plan(row.start, length) for row, length in zip(rows, lengths, strict=True)]
@@ -363,12 +425,16 @@ class NativeLlama:
             v = qkv[:, rotary_width:].view(total, shape.num_kv_heads, shape.head_dim)
             # 2. Row by row: K/V into the row's cache, attention over it.
             attended, offset = [], 0
-            for row, length, plan in zip(rows, lengths, plans, strict=True):
+            for row, length, plan, row_paths in zip(rows, lengths, plans, paths, strict=True):
                 span, end = slice(offset, offset + length), row.start + length
                 row.cache.keys[index, :, row.start:end] = k[span].transpose(0, 1)  # [nkv, T, d]
                 row.cache.values[index, :, row.start:end] = v[span].transpose(0, 1)
-                attended.append(self._attend(q[span].transpose(0, 1), row.cache, index,
-                                             row.start, end, plan))  # [nh, T, d]
+                if row_paths is None:
+                    attended.append(self._attend(q[span].transpose(0, 1), row.cache, index,
+                                                 row.start, end, plan))  # [nh, T, d]
+                else:
+                    attended.append(self._attend_tree(q[span].transpose(0, 1), row, index,
+                                                      row_paths))
                 offset += length
             attended = attended[0] if len(attended) == 1 else torch.cat(attended, dim=1)
             x = x + layer.out(attended.transpose(0, 1).reshape(total, -1))
@@ -433,6 +499,36 @@ class NativeLlama:
                                                   is_causal=True)[0]
         mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(start)
         return F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask)[0]
+
+    def _attend_tree(self, q: torch.Tensor, row: RowPass, index: int, paths: list[list[int]]
+                     ) -> torch.Tensor:
+        """q [nh, T, d] -> [nh, T, d] for a tree row: each query alone, over keys laid out as
+        the chain to it would hold them (slots 0..base-1, then its path's slots), padded and
+        masked as that chain's query would be, so it gets the chain's bits."""
+        cache, base = row.cache, row.tree.base if row.tree is not None else 0
+        heads, _, dim = q.shape
+        kv_heads = self.shape.num_kv_heads
+        out = []
+        for t, path in enumerate(paths):
+            slot = row.start + t
+            position = base - 1 + len(path) if path else slot
+            if not path:
+                end, order = slot + 1, None
+            else:
+                end, order = position + 1, torch.tensor(list(range(base)) + path)
+            plan = self._plan(position, 1)
+            keys_to = end if plan is None else plan[0].keys
+            keys, values = cache.keys[index, :, :keys_to], cache.values[index, :, :keys_to]
+            if order is not None:  # the path's keys where the chain keeps them
+                keys, values = keys.clone(), values.clone()
+                keys[:, :end], values[:, :end] = cache.keys[index][:, order], \
+                    cache.values[index][:, order]
+            grouped = q[:, t].reshape(1, kv_heads, -1, dim)  # [1, nkv, group, d]
+            mask = None if plan is None else plan[0].mask
+            out.append(F.scaled_dot_product_attention(
+                grouped, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask
+            ).view(heads, 1, dim))
+        return torch.cat(out, dim=1)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.shape.rms_norm_eps)

@@ -1,12 +1,20 @@
 """The native model behind the same interface as `verispec.runtime.CachedModel`, one sequence
-per runner; `batched_logits` runs many runners of one model in a single forward pass."""
+per runner; `batched_logits` runs many runners of one model in a single forward pass.
+
+Token trees: `logits(history + tree tokens, n, parents)` scores a tree of draft tokens in one
+pass (each node in the slot after the history where it comes, at its depth's position). The
+cache then holds the history; the tree waits in its slots, and the next call keeps the path of
+it that the new ids follow, moved into place (`settle`), so an accepted path costs nothing to
+keep and the rest falls out."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from verispec.native.llama import INVARIANT_MAX, NativeLlama, RowPass
-from verispec.runtime import CachedModel
+from verispec.native.llama import INVARIANT_MAX, NativeLlama, RowPass, TreeLinks
+from verispec.runtime import CachedModel, common_prefix
 
 
 class NativeCachedModel(CachedModel):
@@ -21,6 +29,7 @@ class NativeCachedModel(CachedModel):
         self.max_positions = model.shape.max_positions
         self.cache = model.new_cache()
         self._cached_ids = torch.empty(0, dtype=torch.long)
+        self._tree: _PendingTree | None = None  # the last pass's tree, until the next call
         self.forward_calls = 0
 
     def sibling(self) -> NativeCachedModel:
@@ -32,6 +41,37 @@ class NativeCachedModel(CachedModel):
 
     def reset(self) -> None:
         self._cached_ids = torch.empty(0, dtype=torch.long)
+        self._tree = None
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor, num_logits: int = 1,
+               parents: torch.Tensor | None = None) -> torch.Tensor:
+        """CachedModel.logits; with parents [num_logits - 1] the last num_logits - 1 ids are a
+        token tree (each one's parent among them, -1: the last token before them)."""
+        return batched_logits([self], [ids], [num_logits], [parents])[0]
+
+    def prepare(self, ids: torch.Tensor, num_logits: int) -> int:
+        self.settle(ids)
+        return super().prepare(ids, num_logits)
+
+    @torch.inference_mode()
+    def settle(self, ids: torch.Tensor) -> None:
+        """Keep the path of the last pass's tree that ids follow, moved into place (a feature
+        draft calls this before it reads the path's features; the next pass does otherwise)."""
+        tree, self._tree = self._tree, None
+        if tree is None or common_prefix(self._cached_ids, ids) < tree.base:
+            return
+        path, parent = [], tree.base - 1
+        nodes = list(zip(tree.parents, tree.tokens, strict=True))  # slot base + j's
+        for token in ids[tree.base:].tolist():
+            child = next((tree.base + j for j, node in enumerate(nodes) if node == (parent, token)),
+                         None)
+            if child is None:
+                break
+            path.append(child)
+            parent = child
+        self.cache.move(path, tree.base)
+        self._cached_ids = ids[:tree.base + len(path)].clone()
 
     def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
         return forward_invariant(self.model, [RowPass(self.cache, new_ids, start, num_logits)])[0]
@@ -40,21 +80,45 @@ class NativeCachedModel(CachedModel):
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class _PendingTree:
+    base: int  # the slot of the tree's first node; the history is the ids before it
+    parents: list[int]  # each node's parent slot
+    tokens: list[int]
+
+
 def batched_logits(runners: list[NativeCachedModel], sequences: list[torch.Tensor],
-                   num_logits: list[int]) -> list[torch.Tensor]:
-    """runner.logits(ids, n) for every (runner, ids, n) at once: one forward pass of the shared
+                   num_logits: list[int], parents: list[torch.Tensor | None] | None = None
+                   ) -> list[torch.Tensor]:
+    """runner.logits(ids, n[, parents]) for every row at once: one forward pass of the shared
     model over every row's new positions -> per row logits [n, V]. A row's logits equal what
-    runner.logits alone returns, bit for bit."""
+    runner.logits alone returns, and a tree node's what the chain to it gets, bit for bit."""
     model = runners[0].model
     if any(runner.model is not model for runner in runners):
         raise ValueError("batched rows must share one model")
+    parents = parents or [None] * len(runners)
     rows = []
-    for runner, ids, count in zip(runners, sequences, num_logits, strict=True):
+    for runner, ids, count, row_parents in zip(runners, sequences, num_logits, parents,
+                                               strict=True):
         keep = runner.prepare(ids, count)
-        rows.append(RowPass(runner.cache, ids[keep:], keep, count))
+        tree = None
+        if row_parents is not None:
+            base = int(ids.numel()) - count + 1
+            if row_parents.numel() != count - 1 or count - 1 >= INVARIANT_MAX:
+                raise ValueError(f"a tree of {count - 1} tokens needs {count - 1} parents and "
+                                 f"at most {INVARIANT_MAX - 1} tokens")
+            if bool((row_parents >= torch.arange(count - 1)).any()) or bool(
+                    (row_parents < -1).any()):
+                raise ValueError("a tree token's parent must come before it (or be -1)")
+            tree = TreeLinks(base, torch.where(row_parents < 0, base - 1, base + row_parents))
+        rows.append(RowPass(runner.cache, ids[keep:], keep, count, tree))
     logits = forward_invariant(model, rows)
-    for runner, ids in zip(runners, sequences, strict=True):
+    for runner, ids, row in zip(runners, sequences, rows, strict=True):
         runner.commit(ids)
+        if row.tree is not None:  # the history is cached; the tree waits for settle
+            base = row.tree.base
+            runner._cached_ids = ids[:base].clone()
+            runner._tree = _PendingTree(base, row.tree.parents.tolist(), ids[base:].tolist())
     return logits
 
 
@@ -76,7 +140,8 @@ def forward_invariant(model: NativeLlama, rows: list[RowPass]) -> list[torch.Ten
     prompt_logits = iter(model.forward_rows(prompts))  # [1, V] each
     # 2. Everything else: the split rows' draft tokens, the other rows whole.
     rest = [RowPass(row.cache, row.ids[-(row.num_logits - 1):],
-                    row.start + row.ids.numel() - row.num_logits + 1, row.num_logits - 1)
+                    row.start + row.ids.numel() - row.num_logits + 1, row.num_logits - 1,
+                    row.tree)
             if cut else row for row, cut in zip(rows, split, strict=True)]
     rest_logits = model.forward_rows(rest)
     return [torch.cat([next(prompt_logits), logits]) if cut else logits
