@@ -89,6 +89,12 @@ def test_bad_k(text_target, tokenizer, k):
         SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=k)
 
 
+@pytest.mark.parametrize("width", [0, 16, 2.0, True])
+def test_bad_tree_width(tmp_path, width):
+    with pytest.raises(ValueError, match="tree width must be"):
+        SpeculativeDecoder.from_pretrained(target=tmp_path / "nope", tree_width=width)
+
+
 def test_missing_model_says_what_to_do(tmp_path):
     with pytest.raises(ModelNotFoundError, match="not found"):
         SpeculativeDecoder.from_pretrained(target=tmp_path / "nope")

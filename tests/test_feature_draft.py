@@ -187,7 +187,7 @@ def test_the_first_round_drafts_nothing_then_drafts_from_the_targets_features():
     assert len(drafter.propose(history, 3, greedy, None)) == 0  # no target features yet
     runner.logits(history[:-1], 1)  # the target's pass that produced the last token
     first = drafter.propose(history, 3, greedy, None)
-    assert len(first) == 3
+    assert first.depth == 3  # a greedy tree (DEFAULT_TREE_WIDTH wide) three deep
     fresh = feature_drafter(model, VOCAB)
     fresh.follow(runner)
     assert torch.equal(fresh.propose(history, 3, greedy, None).tokens, first.tokens)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from verispec.bench.config import ALL_METHODS, DEFAULT_METHODS
 from verispec.errors import VerispecError
+from verispec.policy import DEFAULT_TREE_WIDTH
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draft model for 'draft' and 'hf-assisted' (default: the draft "
                             "shipped for the target, if any)")
     add_runtime_args(bench)
+    add_tree_arg(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop at EOS instead of generating exactly --max-new-tokens")
@@ -86,7 +88,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "'default' (the draft shipped for the target with n-gram lookup, "
                              "else n-gram lookup)")
     add_runtime_args(parser)
+    add_tree_arg(parser)
     parser.add_argument("--device", default="cpu")
+
+
+def add_tree_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tree-width", type=int, default=DEFAULT_TREE_WIDTH,
+                        help="greedy rows of a feature draft (the shipped one) propose token "
+                             f"trees this wide, verified in one pass (default "
+                             f"{DEFAULT_TREE_WIDTH}; 1: chains)")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +119,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop))
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        chat=not args.no_chat, runtime=args.runtime, int8=args.int8)
+        chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width)
     if args.json:
         output = decoder.generate(args.prompt, params)
         json.dump({"text": output.text, "token_ids": output.token_ids,
@@ -141,7 +151,8 @@ def run_bench(args: argparse.Namespace) -> int:
         draft=args.draft, dtype=args.dtype, runtime=args.runtime, int8=args.int8,
         seed=args.seed, ignore_eos=not args.stop_at_eos,
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
-        batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue)
+        batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue,
+        tree_width=args.tree_width)
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)
@@ -165,7 +176,7 @@ def run_costs(args: argparse.Namespace) -> int:
 
     model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device)
     drafter = make_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
-                           runtime=args.runtime, int8=args.int8)
+                           runtime=args.runtime, int8=args.int8, tree_width=args.tree_width)
     runner = make_runner(model, args.runtime, dtype=args.dtype, int8=args.int8)
     costs = measure_costs(runner, drafter, k_max=args.k_max)
     print(json.dumps({"runtime": type(runner).__name__, "dtype": args.dtype, "int8": args.int8,
@@ -204,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             f"'verispec[serve]' ({err})") from None
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        runtime=args.runtime, int8=args.int8)
+        runtime=args.runtime, int8=args.int8, tree_width=args.tree_width)
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
           port=args.port, max_batch=args.max_batch, max_queue=args.max_queue)
     return 0

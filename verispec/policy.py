@@ -20,6 +20,18 @@ import torch
 from verispec.params import SamplingParams
 from verispec.theory import optimal_k
 
+# Greedy rows of a feature draft propose token trees this wide by default (measured with the
+# shipped SmolLM2 draft on verispec's own prompts, widths 1-6: README "Token trees").
+DEFAULT_TREE_WIDTH = 4
+MAX_TREE_NODES = 15  # a tree pass stays a short pass (verispec.native.llama.INVARIANT_MAX)
+
+
+def check_tree_width(width: int) -> int:
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_TREE_NODES:
+        raise ValueError(f"tree width must be an integer in [1, {MAX_TREE_NODES}] (1: chains), "
+                         f"got {width!r}")
+    return width
+
 
 class KPolicy(Protocol):
     def next_k(self, free: bool = False) -> int:
@@ -91,7 +103,7 @@ class CostModel:
         return dataclasses.replace(self, verify=tuple(1.0 + (v - 1.0) / batch
                                                       for v in self.verify))
 
-    def tree(self, width: int, max_nodes: int = 15) -> CostModel:
+    def tree(self, width: int, max_nodes: int = MAX_TREE_NODES) -> CostModel:
         """The prices of token trees `width` wide, by depth: verify[k] = v(width k + 1), a pass
         over the tree's nodes and the root, extended past the measured positions along the
         last measured step; depth up to max_nodes // width. Width 1 is this model."""

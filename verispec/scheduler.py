@@ -31,7 +31,7 @@ import torch
 
 from verispec.drafters.base import Drafter, follow_target
 from verispec.drafters.batch import propose_batch
-from verispec.drafters.hybrid import tree_width
+from verispec.drafters.hybrid import tree_width_of
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
 from verispec.policy import CHEAP_DRAFT, AdaptiveK
@@ -182,7 +182,7 @@ class Scheduler:
         costs = self.decoder.batch_costs(len(running))
         row_costs = costs.row_share(len(running))
         if any(r.params.greedy for r in running):  # greedy rows draft trees: K is their depth
-            costs = costs.tree(tree_width(self.decoder.drafter))
+            costs = costs.tree(tree_width_of(self.decoder.drafter))
         for policy in policies:  # each row's own cut (AdaptiveK.keep) pays its share of a pass
             policy.costs = row_costs
         if costs.draft_step < CHEAP_DRAFT:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from verispec.policy import parse_k
+from verispec.policy import DEFAULT_TREE_WIDTH, check_tree_width, parse_k
 
 VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid")
 HF_METHODS = ("hf-baseline", "hf-assisted", "hf-ngram")
@@ -36,8 +36,10 @@ class BenchConfig:
     # runs until its slowest row ends); Q > 1 = continuous batching over Q*B queued prompts
     # (rows that end are replaced from the queue, as in the server).
     batch_queue: int = 4
+    tree_width: int = DEFAULT_TREE_WIDTH  # greedy rows of a feature draft: token trees this wide
 
     def __post_init__(self) -> None:
+        check_tree_width(self.tree_width)
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")

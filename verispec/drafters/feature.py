@@ -34,6 +34,7 @@ from verispec.native.llama import (
     TreeLinks,
 )
 from verispec.params import SamplingParams
+from verispec.policy import DEFAULT_TREE_WIDTH, check_tree_width
 from verispec.runtime import common_prefix
 from verispec.sampling import greedy_tokens, sample, warp
 
@@ -45,7 +46,8 @@ class FeatureDrafter:
     name = "feature"
 
     def __init__(self, weights: dict[str, torch.Tensor], head_token_ids: torch.Tensor,
-                 target: PreTrainedModel, vocab_size: int, taps: tuple[int, ...] = ()) -> None:
+                 target: PreTrainedModel, vocab_size: int, taps: tuple[int, ...] = (),
+                 tree_width: int = DEFAULT_TREE_WIDTH) -> None:
         self.weights, self.head_token_ids = weights, head_token_ids.long()
         self.target_model, self.vocab_size, self.taps = target, vocab_size, tuple(taps)
         self.runner = None  # the target's NativeCachedModel for this sequence
@@ -53,8 +55,8 @@ class FeatureDrafter:
         self.cache = None
         self.fed = torch.empty(0, dtype=torch.long)  # history whose real pairs are in the cache
         # Greedy rows draft a token tree this wide (the best `tree_width` continuations by the
-        # head's cumulative probability at every depth); 1: a chain.
-        self.tree_width = 1
+        # head's cumulative probability at every depth); 1: a chain. Sampled rows: chains.
+        self.tree_width = check_tree_width(tree_width)
 
     def follow(self, runner) -> None:
         from verispec.native.runner import NativeCachedModel
@@ -83,8 +85,8 @@ class FeatureDrafter:
 
     def fork(self) -> FeatureDrafter:
         other = FeatureDrafter(self.weights, self.head_token_ids, self.target_model,
-                               self.vocab_size, self.taps)
-        other.model, other.tree_width = self.model, self.tree_width
+                               self.vocab_size, self.taps, self.tree_width)
+        other.model = self.model
         return other
 
     def propose(

@@ -54,7 +54,7 @@ class HybridDrafter:
         return self.model.propose(history, k, params, generator)
 
 
-def tree_width(drafter) -> int:
+def tree_width_of(drafter) -> int:
     """How wide the token trees are that a drafter proposes for greedy rows (1: chains)."""
     if isinstance(drafter, HybridDrafter):
         drafter = drafter.model
