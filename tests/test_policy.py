@@ -102,6 +102,24 @@ def test_trees_are_priced_by_their_nodes():
     assert policy.keep(3, 4) == AdaptiveK(chain, policy.estimates).keep(3, 4)  # lookups: chains
 
 
+def test_costs_are_priced_at_the_sequences_context():
+    two = CostModel(0.05, (1.0, 1.02, 1.04), 0.01, long_verify=(1.0, 1.12, 1.24),
+                    contexts=(128, 1024))
+    assert two.at(128).verify == pytest.approx((1.0, 1.02, 1.04))
+    assert two.at(576).verify == pytest.approx((1.0, 1.07, 1.14))
+    assert two.at(1920).verify == pytest.approx((1.0, 1.22, 1.44))  # along the line past it
+    assert two.at(0).verify[1] >= 1.0 and two.at(576).long_verify is None
+    assert two.row_share(4).at(1024).verify == pytest.approx((1.0, 1.03, 1.06))
+    with pytest.raises(ValueError, match="at a context"):
+        two.tree(3)
+    # a long sequence drafts no deeper than a short one, and here less
+    policy = AdaptiveK(two)
+    for _ in range(20):
+        policy.update(0, 4, 1)  # gamma ~ 0.5
+    assert policy.next_k(context=2000) < policy.next_k(context=100)
+    assert policy.keep(3, 8, context=2000) <= policy.keep(3, 8, context=100)
+
+
 def test_optimal_k_with_a_verify_curve():
     assert optimal_k(0.8, 0.0, [1.0, 1.0, 1.0, 1.0]) == 3  # free verification: draft all
     assert optimal_k(0.8, 0.0, [1.0, 1.9, 2.8]) == 0  # every extra position costs ~ a step

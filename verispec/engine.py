@@ -57,13 +57,14 @@ class Sequence:
     def num_to_draft(self, k: int | None = None, free: bool = False) -> int:
         """Draft tokens to ask for: the policy's K (or k; free: for a lookup), but a round emits
         at least one token, so drafting past budget - 1 is wasted."""
-        k = self.policy.next_k(free) if k is None else k
+        k = self.policy.next_k(free, int(self.history.numel())) if k is None else k
         return max(0, min(k, self.budget - self.generated - 1))
 
     def begin(self, draft: Draft) -> Round:
         """The target pass for this draft; the policy may verify only part of it, by the kind
         of proposal it is."""
-        draft = draft.truncated(self.policy.keep(draft.source, draft.depth))
+        draft = draft.truncated(self.policy.keep(draft.source, draft.depth,
+                                                 int(self.history.numel())))
         return Round(draft, torch.cat([self.history, draft.tokens]), len(draft) + 1)
 
     def finish(self, round: Round, target_logits: torch.Tensor) -> list[int]:

@@ -34,12 +34,13 @@ def check_tree_width(width: int) -> int:
 
 
 class KPolicy(Protocol):
-    def next_k(self, free: bool = False) -> int:
-        """How many tokens to ask the drafter for this round; free=True: for a proposal that
-        costs nothing to make (a lookup), which keep() then cuts by its kind."""
+    def next_k(self, free: bool = False, context: int = 0) -> int:
+        """How many tokens to ask the drafter for this round, for a sequence of `context`
+        tokens; free=True: for a proposal that costs nothing to make (a lookup), which keep()
+        then cuts by its kind."""
         ...
 
-    def keep(self, source: int, proposed: int) -> int:
+    def keep(self, source: int, proposed: int, context: int = 0) -> int:
         """How many proposed tokens to verify, knowing the kind of proposal (Draft.source)."""
         ...
 
@@ -52,10 +53,10 @@ class KPolicy(Protocol):
 class FixedK:
     k: int
 
-    def next_k(self, free: bool = False) -> int:
+    def next_k(self, free: bool = False, context: int = 0) -> int:
         return self.k
 
-    def keep(self, source: int, proposed: int) -> int:
+    def keep(self, source: int, proposed: int, context: int = 0) -> int:
         return proposed
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
@@ -70,10 +71,10 @@ class HeuristicK:
     k: int
     k_max: int = 16
 
-    def next_k(self, free: bool = False) -> int:
+    def next_k(self, free: bool = False, context: int = 0) -> int:
         return self.k
 
-    def keep(self, source: int, proposed: int) -> int:
+    def keep(self, source: int, proposed: int, context: int = 0) -> int:
         return proposed
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
@@ -90,6 +91,22 @@ class CostModel:
     draft_step: float  # c: one draft token
     verify: tuple[float, ...]  # verify[k] = v(k + 1): a target pass over k + 1 positions
     target_step_s: float  # the unit, in seconds
+    # The same v measured after a longer context (relative to a one-token step there), where
+    # every extra position attends over more keys: v(n) grows with the context (`at`).
+    long_verify: tuple[float, ...] | None = None
+    contexts: tuple[int, int] = (128, 1024)  # the contexts verify and long_verify were timed at
+
+    def at(self, context: int) -> CostModel:
+        """The prices for a sequence of `context` tokens: v(n) along the line through the two
+        measured contexts (beyond them too), never below 1; unchanged with one context.
+        Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10 at 576."""
+        if self.long_verify is None:
+            return self
+        short, long = self.contexts
+        weight = (context - short) / (long - short)
+        verify = tuple(max(1.0, v + weight * (w - v))
+                       for v, w in zip(self.verify, self.long_verify, strict=True))
+        return dataclasses.replace(self, verify=verify, long_verify=None)
 
     @property
     def k_max(self) -> int:
@@ -100,8 +117,11 @@ class CostModel:
         keep theirs: v_row(n) = 1 + (v(n) - 1) / batch, since v(n) is measured with every row
         at n positions and the pass grows with the positions it holds (linearly, between the
         measured points). Example: batch 4, v(5) = 1.40 -> v_row(5) = 1.10."""
-        return dataclasses.replace(self, verify=tuple(1.0 + (v - 1.0) / batch
-                                                      for v in self.verify))
+        def share(curve: tuple[float, ...] | None) -> tuple[float, ...] | None:
+            return None if curve is None else tuple(1.0 + (v - 1.0) / batch for v in curve)
+
+        return dataclasses.replace(self, verify=share(self.verify),
+                                   long_verify=share(self.long_verify))
 
     def tree(self, width: int, max_nodes: int = MAX_TREE_NODES) -> CostModel:
         """The prices of token trees `width` wide, by depth: verify[k] = v(width k + 1), a pass
@@ -109,6 +129,8 @@ class CostModel:
         last measured step; depth up to max_nodes // width. Width 1 is this model."""
         if width <= 1:
             return self
+        if self.long_verify is not None:
+            raise ValueError("price trees at a context: costs.at(context).tree(width)")
         slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 0.0
 
         def v(positions: int) -> float:
@@ -166,20 +188,20 @@ class AdaptiveK:
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
 
-    def next_k(self, free: bool = False) -> int:
+    def next_k(self, free: bool = False, context: int = 0) -> int:
         if free or self.costs.draft_step < CHEAP_DRAFT:
             return self.costs.k_max
-        return self._best_k(self.gamma(0), self.tree_width)
+        return self._best_k(self.gamma(0), self.tree_width, context)
 
-    def keep(self, source: int, proposed: int) -> int:
+    def keep(self, source: int, proposed: int, context: int = 0) -> int:
         width = self.tree_width if source == 0 else 1
-        return min(proposed, self._best_k(self.gamma(source), width))
+        return min(proposed, self._best_k(self.gamma(source), width, context))
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
 
-    def _best_k(self, gamma: float, width: int = 1) -> int:
-        costs = self.costs.tree(width)
+    def _best_k(self, gamma: float, width: int = 1, context: int = 0) -> int:
+        costs = self.costs.at(context).tree(width)
         return optimal_k(gamma, costs.draft_step, costs.verify, costs.k_max)
 
     def _estimate(self, source: int) -> AcceptanceEstimate:
@@ -223,21 +245,30 @@ def verify_curve(pass_s: list[float]) -> tuple[float, ...]:
     return tuple(max(1.0, v) for v in curve)
 
 
-def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: int = 5
-                  ) -> CostModel:
-    """Time target passes over 1..k_max+1 positions and one draft step after `context` tokens.
+def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: int = 5,
+                  long_context: int = 1024) -> CostModel:
+    """Time target passes over 1..k_max+1 positions and one draft step after `context` tokens,
+    and the passes again after `long_context` tokens (where the model's context allows).
 
     Uses the real runtime objects: `target` is a CachedModel, `drafter` any Drafter (None
     gives c = 0). Fastest of `repeats` interleaved timings; the caches are warmed first.
     """
     generator = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, 1000)
-    history = torch.randint(0, vocab, (context,), generator=generator)
     extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
-    target.logits(history, 1)  # prefill, and warm up
-    passes = [lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
-              for n in range(1, k_max + 2)]
-    pass_s = fastest(passes, repeats)
+
+    def pass_times(length: int) -> list[float]:
+        history = torch.randint(0, vocab, (length,), generator=generator)
+        target.logits(history, 1)  # prefill, and warm up
+        return fastest([lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
+                        for n in range(1, k_max + 2)], repeats)
+
+    long_verify = None
+    if context < long_context <= target.max_positions - k_max - 1:
+        long_verify = verify_curve(pass_times(long_context))
+    pass_s = pass_times(context)
+    history = torch.randint(0, vocab, (context,), generator=generator)
+    target.logits(history, 1)
     draft_s = 0.0
     if drafter is not None:
         greedy = SamplingParams()
@@ -247,11 +278,12 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
                 lambda: drafter.propose(history, 1, greedy, None)]
         draft_s = fastest(step, repeats)[0]
     return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
-                     target_step_s=pass_s[0])
+                     target_step_s=pass_s[0], long_verify=long_verify,
+                     contexts=(context, long_context))
 
 
 def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
-                        repeats: int = 3) -> CostModel:
+                        repeats: int = 3, long_context: int = 1024) -> CostModel:
     """The cost model of a batch of `batch` sequences, in units of one plain batched step
     (every row one position): v(n) times a pass where every row has n positions, c one draft
     step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
@@ -263,13 +295,19 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
     generator = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, 1000)
     runners = [target.sibling() for _ in range(batch)]
-    histories = [torch.randint(0, vocab, (context,), generator=generator) for _ in runners]
     extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
-    batched_logits(runners, histories, [1] * batch)  # prefill, and warm up
-    passes = [lambda n=n: batched_logits(
-        runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
-        for n in range(1, k_max + 2)]
-    pass_s = fastest(passes, repeats)
+
+    def pass_times(length: int) -> tuple[list[float], list[torch.Tensor]]:
+        histories = [torch.randint(0, vocab, (length,), generator=generator) for _ in runners]
+        batched_logits(runners, histories, [1] * batch)  # prefill, and warm up
+        return fastest([lambda n=n: batched_logits(
+            runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
+            for n in range(1, k_max + 2)], repeats), histories
+
+    long_verify = None
+    if context < long_context <= target.max_positions - k_max - 1:
+        long_verify = verify_curve(pass_times(long_context)[0])
+    pass_s, histories = pass_times(context)
     draft_s = 0.0
     if drafter is not None:
         drafters = [drafter.fork() for _ in runners]
@@ -283,4 +321,5 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
         draft_step()
         draft_s = fastest([draft_step], repeats)[0]
     return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
-                     target_step_s=pass_s[0])
+                     target_step_s=pass_s[0], long_verify=long_verify,
+                     contexts=(context, long_context))

@@ -179,7 +179,8 @@ class Scheduler:
         policies = [r.sequence.policy for r in running]
         if not all(isinstance(p, AdaptiveK) for p in policies):
             return None
-        costs = self.decoder.batch_costs(len(running))
+        context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
+        costs = self.decoder.batch_costs(len(running)).at(context)  # priced at the mean length
         row_costs = costs.row_share(len(running))
         if any(r.params.greedy for r in running):  # greedy rows draft trees: K is their depth
             costs = costs.tree(tree_width_of(self.decoder.drafter))

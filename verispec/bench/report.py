@@ -151,8 +151,14 @@ def render_markdown(results: dict) -> str:
         lines += ["", "## Measured cost model", ""]
         for name, cost in results["costs"].items():
             curve = " ".join(f"{v:.2f}" for v in cost["verify"])
+            short, long = cost.get("contexts", (128, None))
+            at_long = ""
+            if cost.get("long_verify"):
+                at_long = (f"; after {long} tokens "
+                           + " ".join(f"{v:.2f}" for v in cost["long_verify"]))
             lines.append(f"- {name}: draft step c = {cost['draft_step']:.3f}; verify v(1..n) = "
-                         f"{curve}; one target step = {cost['target_step_s'] * 1e3:.1f} ms")
+                         f"{curve} after {short} tokens{at_long}; one target step = "
+                         f"{cost['target_step_s'] * 1e3:.1f} ms")
     for note in results.get("notes", []):
         lines.append(f"\nNote: {note}")
     return "\n".join(lines) + "\n"

@@ -31,8 +31,8 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
         if isinstance(drafter, HybridDrafter):
             if free_ks[i] > 0:
                 draft = drafter.lookup.propose(histories[i], free_ks[i], params[i], None)
-                keep = len(draft) if policies is None else policies[i].keep(draft.source,
-                                                                            len(draft))
+                keep = len(draft) if policies is None else policies[i].keep(
+                    draft.source, len(draft), int(histories[i].numel()))
                 drafts[i] = draft.truncated(keep)
             if len(drafts[i]):
                 continue
