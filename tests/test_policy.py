@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import EOS_ID, perturbed_copy
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import ModelDrafter, NgramDrafter
-from verispec.policy import AdaptiveK, CostModel, HeuristicK, measure_costs, parse_k
+from verispec.policy import AdaptiveK, CostModel, FixedK, HeuristicK, measure_costs, parse_k
 from verispec.runtime import CachedModel
 from verispec.theory import optimal_k
 
@@ -118,6 +119,21 @@ def test_costs_are_priced_at_the_sequences_context():
         policy.update(0, 4, 1)  # gamma ~ 0.5
     assert policy.next_k(context=2000) < policy.next_k(context=100)
     assert policy.keep(3, 8, context=2000) <= policy.keep(3, 8, context=100)
+
+
+def test_a_trees_size_is_what_its_probabilities_pay_for():
+    policy = AdaptiveK(costs(0.05, [1.0, 1.05, 1.10, 1.15, 1.20]))  # +0.05 a position
+    confident = torch.tensor([0.9, 0.8, 0.05, 0.04, 0.03, 0.02]).log()
+    assert policy.tree_size(confident) == 2  # the two likely tokens; the rest cost more
+    assert policy.tree_size(torch.tensor([0.01, 0.01]).log()) == 0  # nothing pays
+    # a drafter that promises twice what it delivers gets smaller trees
+    likely = torch.tensor([0.9, 0.1, 0.08]).log()
+    assert policy.tree_size(likely) == 2
+    for _ in range(30):
+        policy.update_tree(2.0, 1)
+    assert policy.calibration.gamma == pytest.approx(0.5, abs=0.1)
+    assert policy.tree_size(likely) == 1
+    assert FixedK(3).tree_size(confident) == 6
 
 
 def test_optimal_k_with_a_verify_curve():

@@ -129,3 +129,18 @@ def test_a_tree_draft_truncates_by_depth():
     assert draft.truncated(0).tokens.numel() == 0
     chain = Draft(torch.tensor([1, 2, 3]), None)
     assert chain.depth == 3 and chain.truncated(1).tokens.tolist() == [1]
+
+
+def test_a_tree_keeps_its_likeliest_tokens_with_their_ancestors():
+    # 0 (-0.1) -> 2 (-0.3) -> 4 (-0.35); 1 (-2.0) -> 3 (-2.5)
+    draft = Draft(torch.tensor([5, 6, 7, 8, 9]), None, 0, torch.tensor([-1, -1, 0, 1, 2]),
+                  torch.tensor([-0.1, -2.0, -0.3, -2.5, -0.35]))
+    kept = draft.pruned(3)
+    assert kept.tokens.tolist() == [5, 7, 9] and kept.parents.tolist() == [-1, 0, 1]
+    assert kept.scores.tolist() == pytest.approx([-0.1, -0.3, -0.35])
+    kept = draft.pruned(4)
+    assert kept.tokens.tolist() == [5, 6, 7, 9] and kept.parents.tolist() == [-1, -1, 0, 2]
+    assert draft.pruned(0).tokens.numel() == 0 and draft.pruned(9) is draft
+    # a tie between a parent and its child keeps the parent first
+    tied = Draft(torch.tensor([1, 2]), None, 0, torch.tensor([-1, 0]), torch.tensor([-1.0, -1.0]))
+    assert tied.pruned(1).tokens.tolist() == [1]

@@ -63,8 +63,10 @@ class Sequence:
     def begin(self, draft: Draft) -> Round:
         """The target pass for this draft; the policy may verify only part of it, by the kind
         of proposal it is."""
-        draft = draft.truncated(self.policy.keep(draft.source, draft.depth,
-                                                 int(self.history.numel())))
+        context = int(self.history.numel())
+        draft = draft.truncated(self.policy.keep(draft.source, draft.depth, context))
+        if draft.scores is not None:  # a tree: its likeliest tokens, as many as pay
+            draft = draft.pruned(self.policy.tree_size(draft.scores, context))
         return Round(draft, torch.cat([self.history, draft.tokens]), len(draft) + 1)
 
     def finish(self, round: Round, target_logits: torch.Tensor) -> list[int]:
@@ -78,6 +80,8 @@ class Sequence:
                 raise ValueError("token trees are verified greedily; sampled rows draft chains")
             new_tokens, path = greedy_verify_tree(draft.tokens, draft.parents, target_logits[0])
             accepted = len(path)
+            if draft.scores is not None:
+                self.policy.update_tree(float(draft.scores.exp().sum()), accepted)
         elif self.params.greedy:
             tokens, num_accepted = greedy_verify(draft_tokens, target_logits)
             accepted = int(num_accepted[0])

@@ -48,6 +48,15 @@ class KPolicy(Protocol):
         """After verification: num_drafted tokens of this source were verified."""
         ...
 
+    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+        """How many of a token tree's tokens to verify (its likeliest, by the drafter's
+        cumulative log-probabilities `scores`)."""
+        ...
+
+    def update_tree(self, expected: float, num_accepted: int) -> None:
+        """After verifying a tree the drafter expected to yield `expected` tokens."""
+        ...
+
 
 @dataclass(slots=True)
 class FixedK:
@@ -60,6 +69,12 @@ class FixedK:
         return proposed
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+        return int(scores.numel())
+
+    def update_tree(self, expected: float, num_accepted: int) -> None:
         pass
 
 
@@ -82,6 +97,12 @@ class HeuristicK:
             return
         step = 2 if num_accepted == num_drafted else -1
         self.k = min(self.k_max, max(1, self.k + step))
+
+    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+        return int(scores.numel())
+
+    def update_tree(self, expected: float, num_accepted: int) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,18 +150,19 @@ class CostModel:
         last measured step; depth up to max_nodes // width. Width 1 is this model."""
         if width <= 1:
             return self
-        if self.long_verify is not None:
-            raise ValueError("price trees at a context: costs.at(context).tree(width)")
-        slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 0.0
-
-        def v(positions: int) -> float:
-            last = len(self.verify)
-            if positions <= last:
-                return self.verify[positions - 1]
-            return self.verify[-1] + slope * (positions - last)
-
         depth = max(1, max_nodes // width)
-        return dataclasses.replace(self, verify=tuple(v(width * k + 1) for k in range(depth + 1)))
+        return dataclasses.replace(self, verify=tuple(self.v(width * k + 1)
+                                                      for k in range(depth + 1)))
+
+    def v(self, positions: int) -> float:
+        """v(positions), past the measured positions along the last measured step."""
+        if self.long_verify is not None:
+            raise ValueError("price passes at a context: costs.at(context)")
+        last = len(self.verify)
+        if positions <= last:
+            return self.verify[positions - 1]
+        slope = self.verify[-1] - self.verify[-2] if last > 1 else 0.0
+        return self.verify[-1] + slope * (positions - last)
 
 
 @dataclass(slots=True)
@@ -184,6 +206,10 @@ class AdaptiveK:
     # The draft model's proposals are token trees this wide (source 0): K is their depth,
     # priced by the tree's nodes (CostModel.tree), with gamma the acceptance per depth.
     tree_width: int = 1
+    # How many tokens a tree yields against what its drafter's probabilities promise (a ratio,
+    # starting at 1): the tree's size is chosen each round from the promise (`tree_size`).
+    calibration: AcceptanceEstimate = field(
+        default_factory=lambda: AcceptanceEstimate(prior=1.0))
 
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
@@ -199,6 +225,24 @@ class AdaptiveK:
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
+
+    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+        """The n maximising (1 + a * sum of the n likeliest tokens' probabilities) / v(n + 1):
+        each token is on the accepted path with about the probability the drafter gives its
+        path, times a (`calibration`, learnt from the rounds so far); the tree is drafted
+        already, so only the target pass is priced."""
+        costs = self.costs.at(context)
+        ratio = self.calibration.gamma
+        probs = scores.float().exp().sort(descending=True).values.tolist()
+        best, best_rate, expected = 0, 1.0, 1.0
+        for n, prob in enumerate(probs, start=1):
+            expected += ratio * prob
+            if expected / costs.v(n + 1) > best_rate:
+                best, best_rate = n, expected / costs.v(n + 1)
+        return best
+
+    def update_tree(self, expected: float, num_accepted: int) -> None:
+        self.calibration.update(expected, num_accepted)
 
     def _best_k(self, gamma: float, width: int = 1, context: int = 0) -> int:
         costs = self.costs.at(context).tree(width)

@@ -20,6 +20,9 @@ class Draft:
     # A token tree instead of a chain: [k'] long, each token's parent among the tokens before
     # it, -1 for a child of the history's last token; tokens in order of depth. Greedy only.
     parents: torch.Tensor | None = None
+    # A tree's tokens' cumulative log-probabilities under the drafter ([k'] float): how likely
+    # the drafter thinks each path is, to keep the likeliest tokens (`pruned`).
+    scores: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -45,7 +48,27 @@ class Draft:
         length = sum(1 for d in self.depths if d <= depth)
         probs = None if self.probs is None else self.probs[:length]
         parents = None if self.parents is None else self.parents[:length]
-        return Draft(self.tokens[:length], probs, self.source, parents)
+        scores = None if self.scores is None else self.scores[:length]
+        return Draft(self.tokens[:length], probs, self.source, parents, scores)
+
+    def pruned(self, count: int) -> Draft:
+        """A tree's `count` likeliest tokens (by score; a token's score is at most its
+        parent's, so their ancestors come with them), in their order, parents renumbered.
+        Example: tokens [5, 6, 7], parents [-1, -1, 0], scores [-.1, -2, -.3], count 2 ->
+        tokens [5, 7], parents [-1, 0]."""
+        if self.parents is None or self.scores is None or count >= len(self):
+            return self
+        ranked = sorted(range(len(self)), key=lambda i: (-float(self.scores[i]), i))
+        keep = sorted(ranked[:count])
+        while True:  # ancestors of kept tokens (scores tied at a parent's: no rounding gaps)
+            parents = {int(self.parents[i]) for i in keep} - {-1} - set(keep)
+            if not parents:
+                break
+            keep = sorted(set(keep) | parents)
+        index = {old: new for new, old in enumerate(keep)}
+        at = torch.tensor(keep, dtype=torch.long)
+        parents = torch.tensor([index.get(int(self.parents[i]), -1) for i in keep])
+        return Draft(self.tokens[at], None, self.source, parents, self.scores[at])
 
 
 class Drafter(Protocol):

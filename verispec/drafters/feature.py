@@ -252,7 +252,7 @@ class _Tree:
 
     def draft(self) -> Draft:
         return Draft(torch.tensor(self.tokens, dtype=torch.long), None, 0,
-                     torch.tensor(self.parents, dtype=torch.long))
+                     torch.tensor(self.parents, dtype=torch.long), torch.tensor(self.scores))
 
 
 def tap_inputs(taps: torch.Tensor, eps: float) -> torch.Tensor:
