@@ -21,8 +21,8 @@ from verispec.params import SamplingParams
 from verispec.theory import optimal_k
 
 # Greedy rows of a feature draft propose token trees this wide by default (measured with the
-# shipped SmolLM2 draft on verispec's own prompts, widths 1-6: README "Token trees").
-DEFAULT_TREE_WIDTH = 4
+# shipped SmolLM2 draft on verispec's own prompts, widths 1-12: README "Token trees").
+DEFAULT_TREE_WIDTH = 8
 MAX_TREE_NODES = 15  # a tree pass stays a short pass (verispec.native.llama.INVARIANT_MAX)
 
 
@@ -72,7 +72,7 @@ class FixedK:
         pass
 
     def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
-        return int(scores.numel())
+        return min(int(scores.numel()), MAX_TREE_NODES)
 
     def update_tree(self, expected: float, num_accepted: int) -> None:
         pass
@@ -99,7 +99,7 @@ class HeuristicK:
         self.k = min(self.k_max, max(1, self.k + step))
 
     def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
-        return int(scores.numel())
+        return min(int(scores.numel()), MAX_TREE_NODES)
 
     def update_tree(self, expected: float, num_accepted: int) -> None:
         pass
@@ -233,7 +233,7 @@ class AdaptiveK:
         already, so only the target pass is priced."""
         costs = self.costs.at(context)
         ratio = self.calibration.gamma
-        probs = scores.float().exp().sort(descending=True).values.tolist()
+        probs = scores.float().exp().sort(descending=True).values[:MAX_TREE_NODES].tolist()
         best, best_rate, expected = 0, 1.0, 1.0
         for n, prob in enumerate(probs, start=1):
             expected += ratio * prob

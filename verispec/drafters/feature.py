@@ -25,7 +25,6 @@ from verispec.drafters.base import Draft, empty_draft
 from verispec.drafters.model import fit_vocab
 from verispec.errors import IncompatibleDraftError
 from verispec.native.llama import (
-    INVARIANT_MAX,
     LayerWeights,
     Linear,
     LlamaShape,
@@ -193,7 +192,7 @@ def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
     for drafter, history, k, logits in zip(drafters, histories, ks, root_logits, strict=True):
         width = drafter.tree_width
         base = int(history.numel()) - 1  # the draft cache's first tree slot
-        trees.append(_Tree(width, min(k, (INVARIANT_MAX - 1) // width), base))
+        trees.append(_Tree(width, k, base))
         trees[-1].add_children(logits.float().log_softmax(-1), [-1], drafter.head_token_ids)
     for depth in range(2, max(tree.depth for tree in trees) + 1):
         growing = [n for n, tree in enumerate(trees) if tree.depth >= depth]
