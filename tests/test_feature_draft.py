@@ -16,6 +16,7 @@ from conftest import EOS_ID, always_accept, byte_tokenizer, chi2_pvalue, tiny_ll
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
+from verispec import scheduler as scheduler_module
 from verispec.decoder import make_drafter
 from verispec.distill import DistillConfig, distill
 from verispec.distill.feature import FeatureHead, FrozenHead, is_feature_draft
@@ -121,6 +122,7 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
     monkeypatch.setattr(engine_module, "greedy_verify_tree", lambda tokens, parents, logits: (
         paths.append((parents.tolist(), verify_tree(tokens, parents, logits)[1]))
         or verify_tree(tokens, parents, logits)))
+    batch_trees = []
     for name in (str(result.draft), f"hybrid:{result.draft}"):
         drafter = make_drafter(name, model, tokenizer)
         (drafter.model if isinstance(drafter, HybridDrafter) else drafter).tree_width = 3
@@ -129,7 +131,15 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
                                       dtype=dtype)
             alone = [spec.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
             assert [o.token_ids for o in alone] == expected
+            assert [o.token_ids for o in spec.generate(prompts, params)] == expected  # chains
+            # trees in a batch too (the scheduler keeps them to batches of one by default)
+            monkeypatch.setattr(scheduler_module, "TREE_MAX_BATCH", 3)
+            before = len(paths)
             assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+            if k == 3:  # (auto may find trees too dear for a batch of this tiny model)
+                batch_trees.append(len(paths) - before)
+            monkeypatch.setattr(scheduler_module, "TREE_MAX_BATCH", 1)
+    assert min(batch_trees) > 0
     assert paths and max(len(parents) for parents, _ in paths) > 3  # wider than a chain of 3
     # Some accepted node is not its parent's first child: the tree found what a chain missed.
     assert any(parents.index(parents[node]) != node for parents, path in paths for node in path)

@@ -44,6 +44,10 @@ from verispec.theory import batch_optimal_k
 # A batch speculates only when the model predicts at least this gain: at batch 4 a draft with
 # acceptance 0.23 was predicted +2% and measured -11% (lockstep drafting's bookkeeping).
 BATCH_MARGIN = 1.10
+# Greedy rows draft token trees in batches up to this size, chains in bigger ones: Spec-Bench,
+# the shipped draft with lookup, width 8 against chains: batch 1 1.51-1.56x against 1.48x,
+# batch 4 1.13-1.24x (1.16 twice side by side) against 1.20-1.21x.
+TREE_MAX_BATCH = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +122,14 @@ class Scheduler:
             return []
         # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes),
         #    a lookup up to its policy's free K.
-        k = self._round_k(running)
+        trees = len(running) <= TREE_MAX_BATCH
+        k = self._round_k(running, trees)
         drafts = propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
                                [r.sequence.num_to_draft(k) for r in running],
                                [r.params for r in running],
                                [r.sequence.generator for r in running],
                                [r.sequence.num_to_draft(free=True) for r in running],
-                               [r.sequence.policy for r in running])
+                               [r.sequence.policy for r in running], trees=trees)
         # 3. One target pass over every row's history + draft.
         rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
         logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
@@ -170,10 +175,11 @@ class Scheduler:
         if request.drafter is not None:
             self._free_drafters.append(request.drafter)
 
-    def _round_k(self, running: list[_Request]) -> int | None:
+    def _round_k(self, running: list[_Request], trees: bool) -> int | None:
         """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic);
-        under "auto" the batch shares one K priced at its batch size, and each row's policy is
-        given the batch's prices for its own cut of free proposals (lookups)."""
+        under "auto" the batch shares one K priced at its batch size (a tree's depth, priced by
+        its tokens, where trees: greedy rows draft them), and each row's policy is given the
+        batch's prices for its own cut of free proposals (lookups) and of its tree."""
         if self.decoder.drafter is None:
             return 0
         policies = [r.sequence.policy for r in running]
@@ -182,10 +188,11 @@ class Scheduler:
         context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
         costs = self.decoder.batch_costs(len(running)).at(context)  # priced at the mean length
         row_costs = costs.row_share(len(running))
-        if any(r.params.greedy for r in running):  # greedy rows draft trees: K is their depth
-            costs = costs.tree(tree_width_of(self.decoder.drafter))
+        width = tree_width_of(self.decoder.drafter) if trees else 1
+        if width > 1 and any(r.params.greedy for r in running):  # K: the trees' depth
+            costs = costs.tree(width)
         for policy in policies:  # each row's own cut (AdaptiveK.keep) pays its share of a pass
-            policy.costs = row_costs
+            policy.costs, policy.tree_width = row_costs, width
         if costs.draft_step < CHEAP_DRAFT:
             return costs.k_max
         gammas = [policy.gamma(0) for policy in policies]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from verispec.drafters.base import Draft, Drafter, empty_draft
@@ -15,14 +17,14 @@ from verispec.policy import KPolicy
 def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor], ks: list[int],
                   params: list[SamplingParams], generators: list[torch.Generator | None],
                   free_ks: list[int] | None = None,
-                  policies: list[KPolicy] | None = None) -> list[Draft]:
+                  policies: list[KPolicy] | None = None, trees: bool = True) -> list[Draft]:
     """Drafter.propose for every row: lookups row by row; draft models and feature drafts in
     lockstep, one pass per draft step for all their rows; a hybrid row looks up first (up to
     its free_ks tokens: a lookup costs nothing, so it may propose more than the draft model's
     priced K) and joins the draft-model (or feature) rows, up to ks tokens, when nothing
     matches, or when its row's policy would verify none of the lookup's tokens (policies:
     `KPolicy.keep` by kind of match). free_ks defaults to ks. A row with no drafter or a budget
-    of 0 drafts nothing."""
+    of 0 drafts nothing. trees=False: feature drafts propose chains, not token trees."""
     free_ks = ks if free_ks is None else free_ks
     drafts: list[Draft] = [empty_draft() for _ in drafters]
     model_rows: list[tuple[int, ModelDrafter]] = []
@@ -46,7 +48,8 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
         else:
             drafts[i] = drafter.propose(histories[i], ks[i], params[i], generators[i])
     for rows, propose in ((model_rows, propose_together),
-                          (feature_rows, propose_features_together)):
+                          (feature_rows, functools.partial(propose_features_together,
+                                                           trees=trees))):
         if not rows:
             continue
         proposed = propose([drafter for _, drafter in rows], [histories[i] for i, _ in rows],

@@ -114,9 +114,11 @@ class FeatureDrafter:
 
 def propose_features_together(drafters: list[FeatureDrafter], histories: list[torch.Tensor],
                               ks: list[int], params: list[SamplingParams],
-                              generators: list[torch.Generator | None]) -> list[Draft]:
+                              generators: list[torch.Generator | None], trees: bool = True
+                              ) -> list[Draft]:
     """FeatureDrafter.propose for many sequences in lockstep: each draft step is one pass of the
-    shared head over the rows that still want a token. Rows draw with their own params and
+    shared head over the rows that still want a token (trees=False: chains for every row, as a
+    batch asks). Rows draw with their own params and
     generators, exactly as alone."""
     drafts = [empty_draft() for _ in drafters]
     firsts = [d._first_to_read(h, k) for d, h, k in zip(drafters, histories, ks, strict=True)]
@@ -139,7 +141,8 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
         drafters[i].fed = history
     logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
     # 2. Greedy rows of a drafter with a tree width grow trees; the others draft chains.
-    trees = [n for n, i in enumerate(rows) if params[i].greedy and drafters[i].tree_width > 1]
+    trees = [n for n, i in enumerate(rows)
+             if trees and params[i].greedy and drafters[i].tree_width > 1]
     if trees:
         grown = _grow_trees(model, [drafters[rows[n]] for n in trees],
                             [histories[rows[n]] for n in trees], [ks[rows[n]] for n in trees],
