@@ -117,9 +117,9 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
                               generators: list[torch.Generator | None], trees: bool = True
                               ) -> list[Draft]:
     """FeatureDrafter.propose for many sequences in lockstep: each draft step is one pass of the
-    shared head over the rows that still want a token (trees=False: chains for every row, as a
-    batch asks). Rows draw with their own params and
-    generators, exactly as alone."""
+    shared head over the rows that still want a token. Rows draw with their own params and
+    generators, exactly as alone. Greedy rows grow token trees when their drafter has a tree
+    width and `trees` allows (a batch may ask for chains)."""
     drafts = [empty_draft() for _ in drafters]
     firsts = [d._first_to_read(h, k) for d, h, k in zip(drafters, histories, ks, strict=True)]
     rows = [i for i, first in enumerate(firsts) if first is not None]
@@ -141,16 +141,16 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
         drafters[i].fed = history
     logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
     # 2. Greedy rows of a drafter with a tree width grow trees; the others draft chains.
-    trees = [n for n, i in enumerate(rows)
-             if trees and params[i].greedy and drafters[i].tree_width > 1]
-    if trees:
-        grown = _grow_trees(model, [drafters[rows[n]] for n in trees],
-                            [histories[rows[n]] for n in trees], [ks[rows[n]] for n in trees],
-                            [logits[n] for n in trees])
-        for n, draft in zip(trees, grown, strict=True):
+    tree_rows = [n for n, i in enumerate(rows)
+                 if trees and params[i].greedy and drafters[i].tree_width > 1]
+    if tree_rows:
+        grown = _grow_trees(model, [drafters[rows[n]] for n in tree_rows],
+                            [histories[rows[n]] for n in tree_rows],
+                            [ks[rows[n]] for n in tree_rows], [logits[n] for n in tree_rows])
+        for n, draft in zip(tree_rows, grown, strict=True):
             drafts[rows[n]] = draft
-        logits = [row_logits for n, row_logits in enumerate(logits) if n not in trees]
-        rows = [i for n, i in enumerate(rows) if n not in trees]
+        logits = [row_logits for n, row_logits in enumerate(logits) if n not in tree_rows]
+        rows = [i for n, i in enumerate(rows) if n not in tree_rows]
         if not rows:
             return drafts
     positions = {i: int(histories[i].numel()) - 2 for i in rows}
