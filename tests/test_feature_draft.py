@@ -296,11 +296,12 @@ SAMPLES = 3000
 PARAMS = SamplingParams(temperature=1.0)
 
 
-def feature_drafter(model, vocab: int) -> FeatureDrafter:
+def feature_drafter(model, vocab: int, tree_width: int = 1) -> FeatureDrafter:
     """An untrained feature head (the target's last layer, fc passing the feature through)."""
     head = FeatureHead(LlamaShape.from_config(model.config))
     head.init_from(model)
-    return FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab)
+    return FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab,
+                          tree_width=tree_width)
 
 
 def native_joint_of_tokens_2_and_3(model) -> torch.Tensor:
@@ -318,10 +319,12 @@ def native_joint_of_tokens_2_and_3(model) -> torch.Tensor:
     return joint
 
 
-def counts_of_tokens_2_and_3(model) -> torch.Tensor:
-    """Round 1 is a plain step (no features yet); round 2 drafts t2 and draws t3 as the
-    correction or bonus token."""
-    decoder = SpeculativeDecoder(model, None, feature_drafter(model, V), k=3, runtime="native")
+def counts_of_tokens_2_and_3(model, tree_width: int = 1) -> torch.Tensor:
+    """Round 1 is a plain step (no features yet); round 2 drafts t2 (with a tree width: three
+    candidates for it, drawn independently, each with a child) and draws t3 as an accepted
+    child, the correction or the bonus token."""
+    decoder = SpeculativeDecoder(model, None, feature_drafter(model, V, tree_width), k=3,
+                                 runtime="native")
     counts = torch.zeros(V, V, dtype=torch.float64)
     rows = 100
     for batch in range(SAMPLES // rows):
@@ -337,13 +340,27 @@ def small_target():
     return tiny_llama(V, seed=3, init=0.5, dtype=torch.float32)
 
 
-def test_sampled_tokens_with_a_feature_draft_have_the_targets_law(small_target):
-    counts = counts_of_tokens_2_and_3(small_target)
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chains", "sampled-trees"])
+def test_sampled_tokens_with_a_feature_draft_have_the_targets_law(small_target, tree_width):
+    counts = counts_of_tokens_2_and_3(small_target, tree_width)
     assert chi2_pvalue(counts, native_joint_of_tokens_2_and_3(small_target)) > 1e-3
 
 
+def first_child_always(tokens, parents, draft_probs, target_probs, generator):
+    """Negative control for sampled trees: accept the first child at every level."""
+    path, node = [], -1
+    while (children := (parents == node).nonzero()).numel():
+        node = int(children[0, 0])
+        path.append(node)
+    bonus = int(torch.multinomial(target_probs[node + 1], 1, generator=generator)[0])
+    return [int(tokens[i]) for i in path] + [bonus], path
+
+
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chains", "sampled-trees"])
 def test_negative_control_always_accept_with_a_feature_draft_is_detected(small_target,
-                                                                         monkeypatch):
+                                                                         monkeypatch,
+                                                                         tree_width):
     monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
-    counts = counts_of_tokens_2_and_3(small_target)
+    monkeypatch.setattr(engine_module, "rejection_sample_tree", first_child_always)
+    counts = counts_of_tokens_2_and_3(small_target, tree_width)
     assert chi2_pvalue(counts, native_joint_of_tokens_2_and_3(small_target)) < 1e-6

@@ -85,6 +85,21 @@ def test_sample_draws_each_row_from_its_distribution():
     assert chi2_pvalue(counts[0], skewed) < 1e-3
 
 
+def test_many_draws_a_row_are_independent_draws_from_it():
+    probs = torch.tensor([[0.0, 5.0, 0.0, 2.5, 2.5, 0.0, 0.01],
+                          [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    tokens = sample(probs, torch.Generator().manual_seed(1), draws=20_000)  # [2, 20000]
+    assert tokens.shape == (2, 20_000)
+    for row in range(2):
+        counts = torch.bincount(tokens[row], minlength=7).float()
+        assert chi2_pvalue(counts, probs[row]) > 1e-3
+    assert (tokens[0] != tokens[0].roll(1)).any()  # not one token repeated
+    pairs = torch.bincount(tokens[1, :-1] * 7 + tokens[1, 1:], minlength=49).float()
+    assert chi2_pvalue(pairs, torch.ones(49)) > 1e-3  # consecutive draws independent
+    one = sample(probs, torch.Generator().manual_seed(1))
+    assert torch.equal(one, sample(probs, torch.Generator().manual_seed(1), draws=1))
+
+
 @pytest.mark.parametrize("bad", [0.0, float("nan")])
 def test_sample_refuses_a_row_without_mass(bad):
     probs = torch.tensor([[0.5, 0.5], [bad, bad]])

@@ -10,6 +10,7 @@ from verispec.verify import (
     greedy_verify,
     greedy_verify_tree,
     rejection_sample,
+    rejection_sample_tree,
     residual,
 )
 
@@ -226,3 +227,76 @@ def test_seeded_determinism():
     first = emitted_first_tokens(rejection_sample, draft, target, 11)
     again = emitted_first_tokens(rejection_sample, draft, target, 11)
     assert torch.equal(first, again)
+
+
+# --- Sampled token trees ------------------------------------------------------------------------
+
+TREE_N = 40_000
+
+
+def markov_tree_law(seed):
+    """A target where the next token depends on the last one only: p0 [V], T [V, V]; a draft
+    q0, Q [V, V] unlike it. Exact joint of the first two tokens: p0(a) T[a, b]."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def law(*shape):
+        return torch.softmax(torch.randn(*shape, V, generator=generator, dtype=torch.float64)
+                             * 1.5, -1)
+
+    return law(), law(V), law(), law(V)
+
+
+def first_two_tokens(verify, seed, width=3):
+    """Draw a tree (width children of the root i.i.d. from q0, one child each from Q), verify
+    it, and complete a lone first token with a draw from T (the next round's plain step)."""
+    p0, transition, q0, q = markov_tree_law(seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    parents = torch.tensor([-1] * width + list(range(width)))
+    pairs = torch.zeros(V, V, dtype=torch.float64)
+    for _ in range(TREE_N):
+        first = torch.multinomial(q0, width, replacement=True, generator=generator)
+        second = torch.stack([torch.multinomial(q[t], 1, generator=generator)[0]
+                              for t in first.tolist()])
+        tokens = torch.cat([first, second])
+        draft_probs = torch.cat([q0.expand(width, -1), q[first]])
+        target_probs = torch.cat([p0[None], transition[tokens]])
+        emitted, _ = verify(tokens, parents, draft_probs, target_probs, generator)
+        if len(emitted) == 1:
+            emitted.append(int(torch.multinomial(transition[emitted[0]], 1,
+                                                 generator=generator)[0]))
+        pairs[emitted[0], emitted[1]] += 1
+    return pairs, p0[:, None] * transition
+
+
+def pair_pvalue(counts, joint):
+    expected = joint.flatten() / joint.sum() * counts.sum()
+    return chisquare(counts.flatten().numpy(), expected.numpy()).pvalue
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_sampled_trees_first_two_tokens_follow_the_target(seed):
+    counts, joint = first_two_tokens(rejection_sample_tree, seed)
+    assert pair_pvalue(counts, joint) > 1e-3
+
+
+def test_negative_control_accepting_the_first_child_fails_the_same_test():
+    def first_child(tokens, parents, draft_probs, target_probs, generator):
+        path = [0, int((parents == 0).nonzero()[0, 0])]
+        return [int(tokens[i]) for i in path], path
+
+    counts, joint = first_two_tokens(first_child, 0)
+    assert pair_pvalue(counts, joint) < 1e-6
+
+
+def test_tree_rejection_sampling_table():
+    # p = [.5, .5, 0]; two children drawn from q = one-hot 0: the second sees residual [0, 1, 0]
+    q = torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.float64)
+    p = torch.tensor([0.5, 0.5, 0, 0, 0, 0], dtype=torch.float64)
+    outcomes = set()
+    for seed in range(40):
+        tokens, path = rejection_sample_tree(torch.tensor([0, 0]), torch.tensor([-1, -1]),
+                                             torch.stack([q, q]), torch.stack([p, p, p]),
+                                             torch.Generator().manual_seed(seed))
+        outcomes.add((tuple(tokens[:1]), tuple(path)))
+        assert path in ([0], []) and (path or tokens == [1])
+    assert outcomes == {((0,), (0,)), ((1,), ())}

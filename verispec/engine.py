@@ -24,7 +24,12 @@ from verispec.policy import KPolicy
 from verispec.runtime import CachedModel
 from verispec.sampling import warp
 from verispec.stats import StatsRecorder
-from verispec.verify import greedy_verify, greedy_verify_tree, rejection_sample
+from verispec.verify import (
+    greedy_verify,
+    greedy_verify_tree,
+    rejection_sample,
+    rejection_sample_tree,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +79,20 @@ class Sequence:
         draft = round.draft
         draft_tokens = draft.tokens.unsqueeze(0).to(target_logits.device)  # [1, K']
         target_logits = target_logits.unsqueeze(0)  # [1, K'+1, V]
-        # 1. Verify (a tree: the path the target's argmax follows).
-        if draft.parents is not None:
-            if not self.params.greedy:
-                raise ValueError("token trees are verified greedily; sampled rows draft chains")
+        # 1. Verify (a tree: the path the target's argmax follows, or multi-candidate
+        #    rejection sampling down it).
+        if draft.parents is not None and self.params.greedy:
             new_tokens, path = greedy_verify_tree(draft.tokens, draft.parents, target_logits[0])
             accepted = len(path)
             if draft.scores is not None:
                 self.policy.update_tree(float(draft.scores.exp().sum()), accepted)
+        elif draft.parents is not None:
+            if draft.probs is None:
+                raise ValueError("a sampled token tree needs the draft's probabilities")
+            new_tokens, path = rejection_sample_tree(
+                draft.tokens, draft.parents, draft.probs,
+                warp(target_logits[0], self.params), self.generator)
+            accepted = len(path)
         elif self.params.greedy:
             tokens, num_accepted = greedy_verify(draft_tokens, target_logits)
             accepted = int(num_accepted[0])

@@ -46,7 +46,9 @@ from verispec.theory import batch_optimal_k
 BATCH_MARGIN = 1.10
 # Greedy rows draft token trees in batches up to this size, chains in bigger ones: Spec-Bench,
 # the shipped draft with lookup, width 8 against chains: batch 1 1.51-1.56x against 1.48x,
-# batch 4 1.13-1.24x (1.16 twice side by side) against 1.20-1.21x.
+# batch 4 1.13-1.24x (1.16 twice side by side) against 1.20-1.21x. (A greedy row's output is
+# the same either way; sampled rows draw trees at every size, so their draws do not depend on
+# the batch.)
 TREE_MAX_BATCH = 1
 
 
@@ -122,14 +124,15 @@ class Scheduler:
             return []
         # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes),
         #    a lookup up to its policy's free K.
-        trees = len(running) <= TREE_MAX_BATCH
-        k = self._round_k(running, trees)
+        greedy_trees = len(running) <= TREE_MAX_BATCH
+        k = self._round_k(running, greedy_trees)
         drafts = propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
                                [r.sequence.num_to_draft(k) for r in running],
                                [r.params for r in running],
                                [r.sequence.generator for r in running],
                                [r.sequence.num_to_draft(free=True) for r in running],
-                               [r.sequence.policy for r in running], trees=trees)
+                               [r.sequence.policy for r in running],
+                               greedy_trees=greedy_trees)
         # 3. One target pass over every row's history + draft.
         rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
         logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
@@ -175,11 +178,12 @@ class Scheduler:
         if request.drafter is not None:
             self._free_drafters.append(request.drafter)
 
-    def _round_k(self, running: list[_Request], trees: bool) -> int | None:
+    def _round_k(self, running: list[_Request], greedy_trees: bool) -> int | None:
         """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic);
         under "auto" the batch shares one K priced at its batch size (a tree's depth, priced by
-        its tokens, where trees: greedy rows draft them), and each row's policy is given the
-        batch's prices for its own cut of free proposals (lookups) and of its tree."""
+        its tokens, where rows draft trees: sampled rows, and greedy ones if greedy_trees),
+        and each row's policy is given the batch's prices for its own cut of free proposals
+        (lookups) and of its tree."""
         if self.decoder.drafter is None:
             return 0
         policies = [r.sequence.policy for r in running]
@@ -188,11 +192,12 @@ class Scheduler:
         context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
         costs = self.decoder.batch_costs(len(running)).at(context)  # priced at the mean length
         row_costs = costs.row_share(len(running))
-        width = tree_width_of(self.decoder.drafter) if trees else 1
-        if width > 1 and any(r.params.greedy for r in running):  # K: the trees' depth
-            costs = costs.tree(width)
-        for policy in policies:  # each row's own cut (AdaptiveK.keep) pays its share of a pass
-            policy.costs, policy.tree_width = row_costs, width
+        width = tree_width_of(self.decoder.drafter)
+        row_widths = [width if greedy_trees or not r.params.greedy else 1 for r in running]
+        costs = costs.tree(max(row_widths))  # K: the trees' depth where rows draft trees
+        for policy, row_width in zip(policies, row_widths, strict=True):
+            # each row's own cut (AdaptiveK.keep) pays its share of a pass
+            policy.costs, policy.tree_width = row_costs, row_width
         if costs.draft_step < CHEAP_DRAFT:
             return costs.k_max
         gammas = [policy.gamma(0) for policy in policies]

@@ -135,6 +135,43 @@ def greedy_verify_tree(
         node = child
 
 
+def rejection_sample_tree(
+    draft_tokens: torch.Tensor,  # [K] long, in order of depth
+    parents: torch.Tensor,  # [K] long: each token's parent index, -1 for the root's children
+    draft_probs: torch.Tensor,  # [K, V]: the distribution each token was drawn from
+    target_probs: torch.Tensor,  # [K+1, V]: after the root, then after each draft token
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[int]]:
+    """Verify a sampled token tree whose siblings were drawn independently from one q (their
+    parent's draft distribution): multi-candidate rejection sampling (SpecInfer). From the
+    root, try its children in order: child x is accepted with probability min(1, p(x)/q(x));
+    on a rejection p becomes residual(p, q) for the next sibling. At an accepted child go on
+    with its children and its own p. Where no child passes, the next token is drawn from the
+    last p (a residual after rejections, the target's own p at a node without children: the
+    bonus token). Returns (tokens: the accepted path's tokens, then that token; path: the
+    accepted draft indices). The emitted tokens follow the target exactly, as for a chain.
+
+    Example: root children [0, 0] drawn from q = [1, 0, 0], p = [.5, .5, 0]: the first is
+    accepted with probability .5; if not, p becomes [0, 1, 0] and the second (token 0) fails,
+    so the next token is 1.
+    """
+    tokens, parents_list = draft_tokens.tolist(), parents.tolist()
+    path, node = [], -1
+    while True:
+        probs = target_probs[node + 1]  # [V]
+        for child in (i for i, parent in enumerate(parents_list) if parent == node):
+            token, draft_row = tokens[child], draft_probs[child]
+            uniform = torch.rand((), generator=generator, device=probs.device)
+            if uniform * draft_row[token] < probs[token]:
+                path.append(child)
+                node = child
+                break
+            probs = residual(probs, draft_row)
+        else:
+            next_token = int(sample(probs.unsqueeze(0), generator)[0])
+            return [tokens[i] for i in path] + [next_token], path
+
+
 def _assemble(
     draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor
 ) -> torch.Tensor:

@@ -17,14 +17,15 @@ from verispec.policy import KPolicy
 def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor], ks: list[int],
                   params: list[SamplingParams], generators: list[torch.Generator | None],
                   free_ks: list[int] | None = None,
-                  policies: list[KPolicy] | None = None, trees: bool = True) -> list[Draft]:
+                  policies: list[KPolicy] | None = None, greedy_trees: bool = True
+                  ) -> list[Draft]:
     """Drafter.propose for every row: lookups row by row; draft models and feature drafts in
     lockstep, one pass per draft step for all their rows; a hybrid row looks up first (up to
     its free_ks tokens: a lookup costs nothing, so it may propose more than the draft model's
     priced K) and joins the draft-model (or feature) rows, up to ks tokens, when nothing
     matches, or when its row's policy would verify none of the lookup's tokens (policies:
     `KPolicy.keep` by kind of match). free_ks defaults to ks. A row with no drafter or a budget
-    of 0 drafts nothing. trees=False: feature drafts propose chains, not token trees."""
+    of 0 drafts nothing. greedy_trees=False: feature drafts propose chains for greedy rows."""
     free_ks = ks if free_ks is None else free_ks
     drafts: list[Draft] = [empty_draft() for _ in drafters]
     model_rows: list[tuple[int, ModelDrafter]] = []
@@ -49,7 +50,7 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
             drafts[i] = drafter.propose(histories[i], ks[i], params[i], generators[i])
     for rows, propose in ((model_rows, propose_together),
                           (feature_rows, functools.partial(propose_features_together,
-                                                           trees=trees))):
+                                                           greedy_trees=greedy_trees))):
         if not rows:
             continue
         proposed = propose([drafter for _, drafter in rows], [histories[i] for i, _ in rows],

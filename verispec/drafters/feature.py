@@ -33,7 +33,7 @@ from verispec.native.llama import (
     TreeLinks,
 )
 from verispec.params import SamplingParams
-from verispec.policy import DEFAULT_TREE_WIDTH, check_tree_width
+from verispec.policy import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
 from verispec.runtime import common_prefix
 from verispec.sampling import greedy_tokens, sample, warp
 
@@ -114,12 +114,13 @@ class FeatureDrafter:
 
 def propose_features_together(drafters: list[FeatureDrafter], histories: list[torch.Tensor],
                               ks: list[int], params: list[SamplingParams],
-                              generators: list[torch.Generator | None], trees: bool = True
-                              ) -> list[Draft]:
+                              generators: list[torch.Generator | None],
+                              greedy_trees: bool = True) -> list[Draft]:
     """FeatureDrafter.propose for many sequences in lockstep: each draft step is one pass of the
     shared head over the rows that still want a token. Rows draw with their own params and
-    generators, exactly as alone. Greedy rows grow token trees when their drafter has a tree
-    width and `trees` allows (a batch may ask for chains)."""
+    generators, exactly as alone. Where the drafter has a tree width, sampled rows draw token
+    trees, and greedy rows grow them if `greedy_trees` (a batch may ask for chains: a greedy
+    row's output is the same either way, a sampled row's draws must not depend on the batch)."""
     drafts = [empty_draft() for _ in drafters]
     firsts = [d._first_to_read(h, k) for d, h, k in zip(drafters, histories, ks, strict=True)]
     rows = [i for i, first in enumerate(firsts) if first is not None]
@@ -141,12 +142,14 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
         drafters[i].fed = history
     logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
     # 2. Greedy rows of a drafter with a tree width grow trees; the others draft chains.
-    tree_rows = [n for n, i in enumerate(rows)
-                 if trees and params[i].greedy and drafters[i].tree_width > 1]
+    tree_rows = [n for n, i in enumerate(rows) if drafters[i].tree_width > 1
+                 and (greedy_trees or not params[i].greedy)]
     if tree_rows:
         grown = _grow_trees(model, [drafters[rows[n]] for n in tree_rows],
                             [histories[rows[n]] for n in tree_rows],
-                            [ks[rows[n]] for n in tree_rows], [logits[n] for n in tree_rows])
+                            [ks[rows[n]] for n in tree_rows], [logits[n] for n in tree_rows],
+                            [params[rows[n]] for n in tree_rows],
+                            [generators[rows[n]] for n in tree_rows])
         for n, draft in zip(tree_rows, grown, strict=True):
             drafts[rows[n]] = draft
         logits = [row_logits for n, row_logits in enumerate(logits) if n not in tree_rows]
@@ -185,18 +188,27 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
 
 
 def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
-                histories: list[torch.Tensor], ks: list[int], root_logits: list[torch.Tensor]
+                histories: list[torch.Tensor], ks: list[int], root_logits: list[torch.Tensor],
+                params: list[SamplingParams], generators: list[torch.Generator | None]
                 ) -> list[Draft]:
-    """Greedy token trees, in lockstep: at every depth up to k, the `tree_width` best children
-    (by the head's cumulative log-probability) of the nodes at the depth above; each depth but
-    the last is one head pass over every row's new nodes, as tree nodes in the draft's cache
-    (slot L-1 on, under the last real pair at L-2). root_logits: per row [1, Vh]."""
+    """Token trees, in lockstep, each depth but the last one head pass over every row's new
+    nodes, as tree nodes in the draft's cache (slot L-1 on, under the last real pair at L-2).
+    Greedy rows: at every depth up to k, the `tree_width` best children (by the head's
+    cumulative log-probability) of the nodes at the depth above. Sampled rows: `tree_width`
+    children of the root drawn independently from the warped head, then one child each per
+    depth, up to 15 tokens (the shape fixed before any draw, as multi-candidate verification
+    needs). root_logits: per row [1, Vh]."""
     trees = []
-    for drafter, history, k, logits in zip(drafters, histories, ks, root_logits, strict=True):
+    for drafter, history, k, logits, row_params, generator in zip(
+            drafters, histories, ks, root_logits, params, generators, strict=True):
         width = drafter.tree_width
         base = int(history.numel()) - 1  # the draft cache's first tree slot
-        trees.append(_Tree(width, k, base))
-        trees[-1].add_children(logits.float().log_softmax(-1), [-1], drafter.head_token_ids)
+        if row_params.greedy:
+            trees.append(_Tree(width, k, base))
+        else:
+            trees.append(_Tree(width, min(k, MAX_TREE_NODES // width), base, row_params,
+                               generator, drafter.vocab_size))
+        trees[-1].add_children(logits, [-1], drafter.head_token_ids)
     for depth in range(2, max(tree.depth for tree in trees) + 1):
         growing = [n for n, tree in enumerate(trees) if tree.depth >= depth]
         if not growing:
@@ -215,20 +227,23 @@ def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
             fed.append(nodes)
         logits = model.step_rows(passes, trees=links)  # per row [T, Vh]
         for n, nodes, node_logits in zip(growing, fed, logits, strict=True):
-            trees[n].add_children(node_logits.float().log_softmax(-1), nodes,
-                                  drafters[n].head_token_ids)
+            trees[n].add_children(node_logits, nodes, drafters[n].head_token_ids)
     return [tree.draft() for tree in trees]
 
 
 class _Tree:
-    """A greedy token tree as it grows: nodes in order of depth, each with its parent, token,
-    cumulative log-probability and, once fed to the head, its slot in the draft's cache."""
+    """A token tree as it grows: nodes in order of depth, each with its parent, token, and,
+    once fed to the head, its slot in the draft's cache; greedy trees keep each node's
+    cumulative log-probability, sampled ones the distribution it was drawn from."""
 
-    def __init__(self, width: int, depth: int, base: int) -> None:
+    def __init__(self, width: int, depth: int, base: int, params: SamplingParams | None = None,
+                 generator: torch.Generator | None = None, vocab_size: int = 0) -> None:
         self.width, self.depth, self.base = width, depth, base
+        self.params, self.generator, self.vocab_size = params, generator, vocab_size
         self.tokens: list[int] = []
         self.parents: list[int] = []
-        self.scores: list[float] = []
+        self.scores: list[float] = []  # greedy
+        self.probs: list[torch.Tensor] = []  # sampled: [V] each
         self.frontier: list[int] = []  # the nodes of the deepest level so far
         self.slots: dict[int, int] = {}  # node -> draft cache slot
         self.slot_parents: list[int] = []  # the parent slot of slot base, base + 1, ...
@@ -236,10 +251,18 @@ class _Tree:
     def slot_of(self, node: int) -> int:
         return self.base - 1 if node < 0 else self.slots[node]
 
-    def add_children(self, log_probs: torch.Tensor, nodes: list[int],
+    def add_children(self, logits: torch.Tensor, nodes: list[int],
                      head_token_ids: torch.Tensor) -> None:
-        """log_probs [len(nodes), Vh]: the head's next-token log-probabilities after each of
-        nodes (-1: the root) -> the `width` best of their children join the tree."""
+        """logits [len(nodes), Vh]: the head after each of nodes (-1: the root) -> the next
+        level joins the tree."""
+        if self.params is None:
+            self._best_children(logits.float().log_softmax(-1), nodes, head_token_ids)
+        else:
+            self._drawn_children(logits, nodes, head_token_ids)
+
+    def _best_children(self, log_probs: torch.Tensor, nodes: list[int],
+                       head_token_ids: torch.Tensor) -> None:
+        """The `width` best children of nodes by cumulative log-probability."""
         base_scores = torch.tensor([0.0 if node < 0 else self.scores[node] for node in nodes])
         top, index = log_probs.topk(self.width, dim=-1)  # [n, w] each
         totals = (base_scores[:, None] + top).flatten()  # [n w]
@@ -252,9 +275,27 @@ class _Tree:
             self.parents.append(nodes[row])
             self.scores.append(float(totals[flat]))
 
+    def _drawn_children(self, logits: torch.Tensor, nodes: list[int],
+                        head_token_ids: torch.Tensor) -> None:
+        """`width` children of the root, one of every other node, each drawn from the node's
+        warped draft distribution, independently."""
+        draft_probs = warp(fit_vocab(logits, self.vocab_size, head_token_ids), self.params)
+        self.frontier = []
+        for row, node in enumerate(nodes):  # [n, V]
+            count = self.width if node < 0 else 1
+            drawn = sample(draft_probs[row:row + 1], self.generator, count).reshape(-1).tolist()
+            for token in drawn:
+                self.frontier.append(len(self.tokens))
+                self.tokens.append(int(token))
+                self.parents.append(node)
+                self.probs.append(draft_probs[row])
+
     def draft(self) -> Draft:
-        return Draft(torch.tensor(self.tokens, dtype=torch.long), None, 0,
-                     torch.tensor(self.parents, dtype=torch.long), torch.tensor(self.scores))
+        tokens = torch.tensor(self.tokens, dtype=torch.long)
+        parents = torch.tensor(self.parents, dtype=torch.long)
+        if self.params is None:
+            return Draft(tokens, None, 0, parents, torch.tensor(self.scores))
+        return Draft(tokens, torch.stack(self.probs), 0, parents)
 
 
 def tap_inputs(taps: torch.Tensor, eps: float) -> torch.Tensor:
