@@ -94,7 +94,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_tree_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-width", type=int, default=DEFAULT_TREE_WIDTH,
-                        help="greedy rows of a feature draft (the shipped one) propose token "
+                        help="rows of a feature draft (the shipped one) propose token "
                              f"trees this wide, verified in one pass (default "
                              f"{DEFAULT_TREE_WIDTH}; 1: chains)")
 

@@ -153,7 +153,7 @@ class SpeculativeDecoder:
         (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
         Llama-family models, transformers otherwise), "native" or "hf". dtype: "auto" (bfloat16
         on the native CPU runtime, float32 on hf), "float32", "bfloat16" or "float16". int8:
-        weight-only int8 layers (native runtime; bfloat16 activations). tree_width: greedy
+        weight-only int8 layers (native runtime; bfloat16 activations). tree_width: the
         rows of a feature draft propose token trees this wide (1: chains)."""
         k = parse_k(k)
         check_tree_width(tree_width)
@@ -278,7 +278,7 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
     with n-gram lookup as "hybrid" does, else n-gram lookup; "hybrid" / "hybrid:PATH": n-gram
     lookup where the text repeats itself, the shipped draft (or the one at PATH) elsewhere. A
     draft model runs on the same runtime, dtype and quantization as the target. tree_width:
-    how wide the token trees a feature draft proposes for greedy rows are (1: chains)."""
+    how wide the token trees a feature draft proposes are (1: chains)."""
     check_tree_width(tree_width)
     if draft is None or draft == "none":
         return None

@@ -36,7 +36,7 @@ class BenchConfig:
     # runs until its slowest row ends); Q > 1 = continuous batching over Q*B queued prompts
     # (rows that end are replaced from the queue, as in the server).
     batch_queue: int = 4
-    tree_width: int = DEFAULT_TREE_WIDTH  # greedy rows of a feature draft: token trees this wide
+    tree_width: int = DEFAULT_TREE_WIDTH  # a feature draft's rows: token trees this wide
 
     def __post_init__(self) -> None:
         check_tree_width(self.tree_width)

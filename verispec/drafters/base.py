@@ -18,10 +18,11 @@ class Draft:
     # length of the matched n-gram, since longer matches are accepted far more often).
     source: int = 0
     # A token tree instead of a chain: [k'] long, each token's parent among the tokens before
-    # it, -1 for a child of the history's last token; tokens in order of depth. Greedy only.
+    # it, -1 for a child of the history's last token; tokens in order of depth. A sampled
+    # tree's probs row of a token is the distribution it was drawn from (its siblings', too).
     parents: torch.Tensor | None = None
-    # A tree's tokens' cumulative log-probabilities under the drafter ([k'] float): how likely
-    # the drafter thinks each path is, to keep the likeliest tokens (`pruned`).
+    # A greedy tree's tokens' cumulative log-probabilities under the drafter ([k'] float): how
+    # likely the drafter thinks each path is, to keep the likeliest tokens (`pruned`).
     scores: torch.Tensor | None = None
 
     def __len__(self) -> int:

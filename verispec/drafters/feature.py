@@ -53,8 +53,9 @@ class FeatureDrafter:
         self.model: _FeatureModel | None = None  # built on the first follow(), shared by forks
         self.cache = None
         self.fed = torch.empty(0, dtype=torch.long)  # history whose real pairs are in the cache
-        # Greedy rows draft a token tree this wide (the best `tree_width` continuations by the
-        # head's cumulative probability at every depth); 1: a chain. Sampled rows: chains.
+        # Rows draft token trees this wide (greedy: the best `tree_width` continuations by the
+        # head's cumulative probability at every depth; sampled: `tree_width` independent draws
+        # for the next token, a chain under each); 1: chains.
         self.tree_width = check_tree_width(tree_width)
 
     def follow(self, runner) -> None:
