@@ -93,6 +93,8 @@ def test_bad_k(text_target, tokenizer, k):
 def test_bad_tree_width(tmp_path, width):
     with pytest.raises(ValueError, match="tree width must be"):
         SpeculativeDecoder.from_pretrained(target=tmp_path / "nope", tree_width=width)
+    with pytest.raises(ValueError, match="tree width must be"):
+        SpeculativeDecoder.from_pretrained(target=tmp_path / "nope", sampled_tree_width=width)
 
 
 def test_missing_model_says_what_to_do(tmp_path):

@@ -125,7 +125,8 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
     batch_trees = []
     for name in (str(result.draft), f"hybrid:{result.draft}"):
         drafter = make_drafter(name, model, tokenizer)
-        (drafter.model if isinstance(drafter, HybridDrafter) else drafter).tree_width = 3
+        feature = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+        feature.tree_width = feature.sampled_tree_width = 3
         for k in (3, "auto"):
             spec = SpeculativeDecoder(model, tokenizer, drafter, k=k, runtime="native",
                                       dtype=dtype)
@@ -297,11 +298,12 @@ PARAMS = SamplingParams(temperature=1.0)
 
 
 def feature_drafter(model, vocab: int, tree_width: int = 1) -> FeatureDrafter:
-    """An untrained feature head (the target's last layer, fc passing the feature through)."""
+    """An untrained feature head (the target's last layer, fc passing the feature through),
+    drafting trees tree_width wide for greedy and sampled rows."""
     head = FeatureHead(LlamaShape.from_config(model.config))
     head.init_from(model)
     return FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab,
-                          tree_width=tree_width)
+                          tree_width=tree_width, sampled_tree_width=tree_width)
 
 
 def native_joint_of_tokens_2_and_3(model) -> torch.Tensor:

@@ -3,7 +3,7 @@ import torch
 from conftest import chi2_pvalue
 
 from verispec import SamplingParams
-from verispec.sampling import greedy_tokens, sample, warp
+from verispec.sampling import greedy_tokens, sample, sample_distinct, warp
 
 LOGITS = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
 
@@ -85,19 +85,23 @@ def test_sample_draws_each_row_from_its_distribution():
     assert chi2_pvalue(counts[0], skewed) < 1e-3
 
 
-def test_many_draws_a_row_are_independent_draws_from_it():
-    probs = torch.tensor([[0.0, 5.0, 0.0, 2.5, 2.5, 0.0, 0.01],
-                          [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
-    tokens = sample(probs, torch.Generator().manual_seed(1), draws=20_000)  # [2, 20000]
-    assert tokens.shape == (2, 20_000)
-    for row in range(2):
-        counts = torch.bincount(tokens[row], minlength=7).float()
-        assert chi2_pvalue(counts, probs[row]) > 1e-3
-    assert (tokens[0] != tokens[0].roll(1)).any()  # not one token repeated
-    pairs = torch.bincount(tokens[1, :-1] * 7 + tokens[1, 1:], minlength=49).float()
-    assert chi2_pvalue(pairs, torch.ones(49)) > 1e-3  # consecutive draws independent
-    one = sample(probs, torch.Generator().manual_seed(1))
-    assert torch.equal(one, sample(probs, torch.Generator().manual_seed(1), draws=1))
+def test_distinct_draws_are_draws_without_replacement():
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.15, 0.05], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(2)
+    pairs = torch.zeros(5, 5, dtype=torch.float64)
+    for _ in range(20_000):
+        first, second = sample_distinct(probs, 2, generator)
+        pairs[first, second] += 1
+    # P(first = i, second = j) = p_i p_j / (1 - p_i), j != i
+    exact = probs[:, None] * probs[None, :] / (1 - probs[:, None])
+    exact.fill_diagonal_(0.0)
+    assert pairs.diagonal().sum() == 0 and pairs[2].sum() == 0 and pairs[:, 2].sum() == 0
+    kept = exact.flatten() > 0
+    assert chi2_pvalue(pairs.flatten()[kept], exact.flatten()[kept]) > 1e-3
+    # negative control: independent draws (with replacement) fail the same test
+    independent = torch.outer(probs, probs).flatten()[kept]
+    assert chi2_pvalue(pairs.flatten()[kept], independent) < 1e-6
+    assert sorted(sample_distinct(probs, 9, generator)) == [0, 1, 3, 4]  # as many as have mass
 
 
 @pytest.mark.parametrize("bad", [0.0, float("nan")])

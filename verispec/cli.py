@@ -94,9 +94,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_tree_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-width", type=int, default=DEFAULT_TREE_WIDTH,
-                        help="rows of a feature draft (the shipped one) propose token "
+                        help="greedy rows of a feature draft (the shipped one) propose token "
                              f"trees this wide, verified in one pass (default "
                              f"{DEFAULT_TREE_WIDTH}; 1: chains)")
+    parser.add_argument("--sampled-tree-width", type=int, default=1,
+                        help="sampled rows: that many candidates for the next token, drawn "
+                             "without replacement and verified together (default 1: chains)")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +122,8 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop))
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width)
+        chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
+        sampled_tree_width=args.sampled_tree_width)
     if args.json:
         output = decoder.generate(args.prompt, params)
         json.dump({"text": output.text, "token_ids": output.token_ids,
@@ -152,7 +156,7 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed, ignore_eos=not args.stop_at_eos,
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
         batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue,
-        tree_width=args.tree_width)
+        tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width)
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)
@@ -176,7 +180,8 @@ def run_costs(args: argparse.Namespace) -> int:
 
     model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device)
     drafter = make_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
-                           runtime=args.runtime, int8=args.int8, tree_width=args.tree_width)
+                           runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
+                           sampled_tree_width=args.sampled_tree_width)
     runner = make_runner(model, args.runtime, dtype=args.dtype, int8=args.int8)
     costs = measure_costs(runner, drafter, k_max=args.k_max)
     print(json.dumps({"runtime": type(runner).__name__, "dtype": args.dtype, "int8": args.int8,
@@ -217,7 +222,8 @@ def run_serve(args: argparse.Namespace) -> int:
                             f"'verispec[serve]' ({err})") from None
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        runtime=args.runtime, int8=args.int8, tree_width=args.tree_width)
+        runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
+        sampled_tree_width=args.sampled_tree_width)
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
           port=args.port, max_batch=args.max_batch, max_queue=args.max_queue)
     return 0

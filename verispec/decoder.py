@@ -124,10 +124,11 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset()
 
-    def new_policy(self) -> KPolicy:
-        """A fresh K policy for one request."""
+    def new_policy(self, params: SamplingParams | None = None) -> KPolicy:
+        """A fresh K policy for one request (with these params: the width of its trees)."""
         if self.k == "auto":
-            return AdaptiveK(self.costs, tree_width=tree_width_of(self.drafter))
+            return AdaptiveK(self.costs,
+                             tree_width=tree_width_of(self.drafter, params or SamplingParams()))
         if self.k == "heuristic":
             return HeuristicK(k=HEURISTIC_START_K)
         return FixedK(self.k)
@@ -144,6 +145,7 @@ class SpeculativeDecoder:
         runtime: str = "auto",
         int8: bool = False,
         tree_width: int = DEFAULT_TREE_WIDTH,
+        sampled_tree_width: int = 1,
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (a draft shipped for the target, with lookup; else n-gram lookup),
@@ -153,16 +155,18 @@ class SpeculativeDecoder:
         (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
         Llama-family models, transformers otherwise), "native" or "hf". dtype: "auto" (bfloat16
         on the native CPU runtime, float32 on hf), "float32", "bfloat16" or "float16". int8:
-        weight-only int8 layers (native runtime; bfloat16 activations). tree_width: the
-        rows of a feature draft propose token trees this wide (1: chains)."""
+        weight-only int8 layers (native runtime; bfloat16 activations). tree_width: greedy
+        rows of a feature draft propose token trees this wide (1: chains); sampled_tree_width:
+        sampled rows (default 1: chains; see README, *Token trees*)."""
         k = parse_k(k)
         check_tree_width(tree_width)
+        check_tree_width(sampled_tree_width)
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
         model, tokenizer = loading.load(target, dtype=dtype, device=device)
         drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device,
                                runtime=runtime, int8=int8, target_spec=target,
-                               tree_width=tree_width)
+                               tree_width=tree_width, sampled_tree_width=sampled_tree_width)
         return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
                    int8=int8)
 
@@ -208,7 +212,7 @@ class SpeculativeDecoder:
 
     def _stream(self, prompt_ids: torch.Tensor, params: SamplingParams
                 ) -> Iterator[StreamChunk]:
-        policy = self.new_policy()  # may measure the cost model once: not part of the timing
+        policy = self.new_policy(params)  # may measure the cost model once: not timed
         stats = StatsRecorder(k=self.k)
         text = TextStream(self.tokenizer, params.stop)
         generator = make_generator(params.seed, self.target.device)
@@ -272,14 +276,17 @@ def _is_batch(prompt) -> bool:
 
 def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
                  device: str = "cpu", runtime: str = "auto", int8: bool = False,
-                 target_spec=None, tree_width: int = DEFAULT_TREE_WIDTH) -> Drafter | None:
+                 target_spec=None, tree_width: int = DEFAULT_TREE_WIDTH,
+                 sampled_tree_width: int = 1) -> Drafter | None:
     """Build the drafter that `draft` names: None / "none", "ngram", a model path, or "default":
     the draft shipped for the target (`target_spec`, as given to `loading.load`), if any, paired
     with n-gram lookup as "hybrid" does, else n-gram lookup; "hybrid" / "hybrid:PATH": n-gram
     lookup where the text repeats itself, the shipped draft (or the one at PATH) elsewhere. A
     draft model runs on the same runtime, dtype and quantization as the target. tree_width:
-    how wide the token trees a feature draft proposes are (1: chains)."""
+    how wide the token trees a feature draft proposes for greedy rows are, sampled_tree_width
+    for sampled rows (1: chains)."""
     check_tree_width(tree_width)
+    check_tree_width(sampled_tree_width)
     if draft is None or draft == "none":
         return None
     if draft == "default":  # the shipped draft with lookup where the text repeats, else lookup
@@ -295,7 +302,7 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
             raise IncompatibleDraftError("no draft is shipped for this target: use "
                                          "hybrid:PATH with a draft model folder")
         drafter = make_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8,
-                               tree_width=tree_width)
+                               tree_width=tree_width, sampled_tree_width=sampled_tree_width)
         if not isinstance(drafter, ModelDrafter | FeatureDrafter):
             raise IncompatibleDraftError(f"hybrid lookup pairs n-grams with a draft model; "
                                          f"{model_draft} is a {drafter.name} draft")
@@ -306,7 +313,7 @@ def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
     if is_feature_draft(draft):  # reads the target's features: built when it meets the runner
         weights, head_token_ids, taps = load_feature_weights(draft, target, tokenizer)
         return FeatureDrafter(weights, head_token_ids, target, vocab_size(target), taps,
-                              tree_width)
+                              tree_width, sampled_tree_width)
     if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
         draft_model, head_token_ids = load_draft(draft, target, tokenizer)
         runner = make_runner(draft_model, runtime, dtype=dtype, int8=int8)

@@ -20,7 +20,7 @@ import torch
 from verispec.params import SamplingParams
 from verispec.theory import optimal_k
 
-# Rows of a feature draft propose token trees this wide by default (greedy measured with the
+# Greedy rows of a feature draft propose token trees this wide by default (measured with the
 # shipped SmolLM2 draft on verispec's own prompts, widths 1-12: README "Token trees").
 DEFAULT_TREE_WIDTH = 8
 MAX_TREE_NODES = 15  # a tree pass stays a short pass (verispec.native.llama.INVARIANT_MAX)

@@ -48,11 +48,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None, draws: int = 1
-           ) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row: probs [B, V] (each row's sum > 0; need not be 1) -> tokens [B]
-    long, token i with probability probs[i] / sum; draws > 1: that many independent tokens a
-    row, [B, draws] (one cumulative sum for all).
+    long, token i with probability probs[i] / sum.
 
     By the inverse of the cumulative distribution, in float64: a uniform u in [0, total) picks
     the first token whose cumulative mass exceeds u, so a token of probability 0 (an empty
@@ -65,12 +63,24 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, draws: int = 
     if not bool((total > 0).all()):  # as torch.multinomial, refuse rather than draw past V
         raise ValueError("sample() needs every row to have positive mass; got a row of zeros "
                          "or NaN")
-    uniform = torch.rand((total.shape[0], draws), generator=generator, dtype=torch.float64,
-                         device=probs.device)  # [B, draws] in [0, 1)
+    uniform = torch.rand(total.shape, generator=generator, dtype=torch.float64,
+                         device=probs.device)  # [B, 1] in [0, 1)
     # u < total even where rounding would make uniform * total reach it.
     u = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    tokens = torch.searchsorted(cumulative, u, right=True)  # [B, draws]
-    return tokens.squeeze(-1) if draws == 1 else tokens
+    return torch.searchsorted(cumulative, u, right=True).squeeze(-1)  # [B]
+
+
+def sample_distinct(probs: torch.Tensor, count: int, generator: torch.Generator | None
+                    ) -> list[int]:
+    """Draw up to `count` distinct tokens from probs [V] without replacement: each from probs
+    with the tokens drawn before it removed, renormalised (fewer where fewer tokens have
+    mass)."""
+    remaining, drawn = probs.clone(), []
+    for _ in range(min(count, int((probs > 0).sum()))):
+        token = int(sample(remaining.unsqueeze(0), generator)[0])
+        drawn.append(token)
+        remaining[token] = 0.0
+    return drawn
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -167,7 +167,8 @@ class Scheduler:
         request.stats = StatsRecorder(k=decoder.k)
         request.text = TextStream(decoder.tokenizer, request.params.stop)
         generator = make_generator(request.params.seed, decoder.target.device)
-        request.sequence = Sequence(request.prompt_ids, request.params, decoder.new_policy(),
+        request.sequence = Sequence(request.prompt_ids, request.params,
+                                    decoder.new_policy(request.params),
                                     decoder.eos_ids, generator, request.stats,
                                     decoder.target.max_positions)
         self.running.append(request)
@@ -192,8 +193,8 @@ class Scheduler:
         context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
         costs = self.decoder.batch_costs(len(running)).at(context)  # priced at the mean length
         row_costs = costs.row_share(len(running))
-        width = tree_width_of(self.decoder.drafter)
-        row_widths = [width if greedy_trees or not r.params.greedy else 1 for r in running]
+        row_widths = [tree_width_of(self.decoder.drafter, r.params)
+                      if greedy_trees or not r.params.greedy else 1 for r in running]
         costs = costs.tree(max(row_widths))  # K: the trees' depth where rows draft trees
         for policy, row_width in zip(policies, row_widths, strict=True):
             # each row's own cut (AdaptiveK.keep) pays its share of a pass

@@ -138,35 +138,43 @@ def greedy_verify_tree(
 def rejection_sample_tree(
     draft_tokens: torch.Tensor,  # [K] long, in order of depth
     parents: torch.Tensor,  # [K] long: each token's parent index, -1 for the root's children
-    draft_probs: torch.Tensor,  # [K, V]: the distribution each token was drawn from
+    draft_probs: torch.Tensor,  # [K, V]: the distribution q each token's parent drew from
     target_probs: torch.Tensor,  # [K+1, V]: after the root, then after each draft token
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Verify a sampled token tree whose siblings were drawn independently from one q (their
-    parent's draft distribution): multi-candidate rejection sampling (SpecInfer). From the
-    root, try its children in order: child x is accepted with probability min(1, p(x)/q(x));
-    on a rejection p becomes residual(p, q) for the next sibling. At an accepted child go on
-    with its children and its own p. Where no child passes, the next token is drawn from the
-    last p (a residual after rejections, the target's own p at a node without children: the
-    bonus token). Returns (tokens: the accepted path's tokens, then that token; path: the
-    accepted draft indices). The emitted tokens follow the target exactly, as for a chain.
+    """Verify a sampled token tree whose siblings were drawn from their parent's q without
+    replacement (each from q with the earlier siblings removed): recursive rejection sampling.
+    From the root, try its children in order: child x is accepted with probability
+    min(1, p(x)/q(x)); on a rejection p becomes residual(p, q) and x leaves q (q renormalised)
+    for the next sibling. At an accepted child go on with its children and its own p. Where
+    no child passes, the next token is drawn from the last p (a residual after rejections, the
+    target's own p at a node without children: the bonus token). Each step is an ordinary
+    speculative sampling step of a token drawn from the current q against the current p, so
+    the emitted tokens follow the target exactly. Returns (tokens: the accepted path's tokens,
+    then that token; path: the accepted draft indices).
 
-    Example: root children [0, 0] drawn from q = [1, 0, 0], p = [.5, .5, 0]: the first is
-    accepted with probability .5; if not, p becomes [0, 1, 0] and the second (token 0) fails,
-    so the next token is 1.
+    Example: root children [0, 1] drawn from q = [.5, .5, 0], p = [.25, .25, .5]: 0 passes
+    with probability .5; if not, p becomes [0, 0, 1] and q [0, 1, 0], 1 fails, and the next
+    token is 2.
     """
     tokens, parents_list = draft_tokens.tolist(), parents.tolist()
     path, node = [], -1
     while True:
         probs = target_probs[node + 1]  # [V]
+        draft_row = None
         for child in (i for i, parent in enumerate(parents_list) if parent == node):
-            token, draft_row = tokens[child], draft_probs[child]
+            token = tokens[child]
+            if draft_row is None:
+                draft_row = draft_probs[child]
             uniform = torch.rand((), generator=generator, device=probs.device)
             if uniform * draft_row[token] < probs[token]:
                 path.append(child)
                 node = child
                 break
             probs = residual(probs, draft_row)
+            draft_row = draft_row.clone()
+            draft_row[token] = 0.0  # the next sibling was drawn without this one
+            draft_row = draft_row / draft_row.sum().clamp(min=1e-30)
         else:
             next_token = int(sample(probs.unsqueeze(0), generator)[0])
             return [tokens[i] for i in path] + [next_token], path

@@ -36,10 +36,12 @@ class BenchConfig:
     # runs until its slowest row ends); Q > 1 = continuous batching over Q*B queued prompts
     # (rows that end are replaced from the queue, as in the server).
     batch_queue: int = 4
-    tree_width: int = DEFAULT_TREE_WIDTH  # a feature draft's rows: token trees this wide
+    tree_width: int = DEFAULT_TREE_WIDTH  # a feature draft's greedy rows: trees this wide
+    sampled_tree_width: int = 1  # its sampled rows
 
     def __post_init__(self) -> None:
         check_tree_width(self.tree_width)
+        check_tree_width(self.sampled_tree_width)
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")

@@ -39,7 +39,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         draft = loading.default_draft(config.target)
     if draft is not None and is_feature_draft(draft):
         # reads the target's features as it runs: no separate runner, no transformers peer
-        feature_drafter = make_drafter(draft, model, tokenizer, tree_width=config.tree_width)
+        feature_drafter = make_drafter(draft, model, tokenizer, tree_width=config.tree_width,
+                                       sampled_tree_width=config.sampled_tree_width)
     elif draft is not None and is_distilled_draft(draft):
         # verispec drafts with the subset head it was trained with; transformers needs
         # full-width logits, so its assistant is the same layers with the target's full head.

@@ -35,7 +35,7 @@ from verispec.native.llama import (
 from verispec.params import SamplingParams
 from verispec.policy import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
 from verispec.runtime import common_prefix
-from verispec.sampling import greedy_tokens, sample, warp
+from verispec.sampling import greedy_tokens, sample, sample_distinct, warp
 
 
 class FeatureDrafter:
@@ -46,17 +46,18 @@ class FeatureDrafter:
 
     def __init__(self, weights: dict[str, torch.Tensor], head_token_ids: torch.Tensor,
                  target: PreTrainedModel, vocab_size: int, taps: tuple[int, ...] = (),
-                 tree_width: int = DEFAULT_TREE_WIDTH) -> None:
+                 tree_width: int = DEFAULT_TREE_WIDTH, sampled_tree_width: int = 1) -> None:
         self.weights, self.head_token_ids = weights, head_token_ids.long()
         self.target_model, self.vocab_size, self.taps = target, vocab_size, tuple(taps)
         self.runner = None  # the target's NativeCachedModel for this sequence
         self.model: _FeatureModel | None = None  # built on the first follow(), shared by forks
         self.cache = None
         self.fed = torch.empty(0, dtype=torch.long)  # history whose real pairs are in the cache
-        # Rows draft token trees this wide (greedy: the best `tree_width` continuations by the
-        # head's cumulative probability at every depth; sampled: `tree_width` independent draws
-        # for the next token, a chain under each); 1: chains.
+        # Greedy rows draft token trees this wide (the best `tree_width` continuations by the
+        # head's cumulative probability at every depth), sampled rows sampled_tree_width wide
+        # (as many draws for the next token without replacement, a chain under each); 1: chains.
         self.tree_width = check_tree_width(tree_width)
+        self.sampled_tree_width = check_tree_width(sampled_tree_width)
 
     def follow(self, runner) -> None:
         from verispec.native.runner import NativeCachedModel
@@ -83,9 +84,14 @@ class FeatureDrafter:
     def reset(self) -> None:
         self.fed = torch.empty(0, dtype=torch.long)
 
+    def width_for(self, params: SamplingParams) -> int:
+        """How wide this row's trees are (1: chains)."""
+        return self.tree_width if params.greedy else self.sampled_tree_width
+
     def fork(self) -> FeatureDrafter:
         other = FeatureDrafter(self.weights, self.head_token_ids, self.target_model,
-                               self.vocab_size, self.taps, self.tree_width)
+                               self.vocab_size, self.taps, self.tree_width,
+                               self.sampled_tree_width)
         other.model = self.model
         return other
 
@@ -119,9 +125,10 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
                               greedy_trees: bool = True) -> list[Draft]:
     """FeatureDrafter.propose for many sequences in lockstep: each draft step is one pass of the
     shared head over the rows that still want a token. Rows draw with their own params and
-    generators, exactly as alone. Where the drafter has a tree width, sampled rows draw token
-    trees, and greedy rows grow them if `greedy_trees` (a batch may ask for chains: a greedy
-    row's output is the same either way, a sampled row's draws must not depend on the batch)."""
+    generators, exactly as alone. Where the drafter has a tree width for them, sampled rows
+    draw token trees, and greedy rows grow them if `greedy_trees` (a batch may ask for chains:
+    a greedy row's output is the same either way, a sampled row's draws must not depend on the
+    batch)."""
     drafts = [empty_draft() for _ in drafters]
     firsts = [d._first_to_read(h, k) for d, h, k in zip(drafters, histories, ks, strict=True)]
     rows = [i for i, first in enumerate(firsts) if first is not None]
@@ -143,7 +150,7 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
         drafters[i].fed = history
     logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
     # 2. Greedy rows of a drafter with a tree width grow trees; the others draft chains.
-    tree_rows = [n for n, i in enumerate(rows) if drafters[i].tree_width > 1
+    tree_rows = [n for n, i in enumerate(rows) if drafters[i].width_for(params[i]) > 1
                  and (greedy_trees or not params[i].greedy)]
     if tree_rows:
         grown = _grow_trees(model, [drafters[rows[n]] for n in tree_rows],
@@ -195,14 +202,14 @@ def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
     """Token trees, in lockstep, each depth but the last one head pass over every row's new
     nodes, as tree nodes in the draft's cache (slot L-1 on, under the last real pair at L-2).
     Greedy rows: at every depth up to k, the `tree_width` best children (by the head's
-    cumulative log-probability) of the nodes at the depth above. Sampled rows: `tree_width`
-    children of the root drawn independently from the warped head, then one child each per
-    depth, up to 15 tokens (the shape fixed before any draw, as multi-candidate verification
-    needs). root_logits: per row [1, Vh]."""
+    cumulative log-probability) of the nodes at the depth above. Sampled rows:
+    `sampled_tree_width` children of the root drawn from the warped head without replacement,
+    then one child each per depth, up to 15 tokens (the shape fixed before any draw, as
+    `rejection_sample_tree` needs). root_logits: per row [1, Vh]."""
     trees = []
     for drafter, history, k, logits, row_params, generator in zip(
             drafters, histories, ks, root_logits, params, generators, strict=True):
-        width = drafter.tree_width
+        width = drafter.width_for(row_params)
         base = int(history.numel()) - 1  # the draft cache's first tree slot
         if row_params.greedy:
             trees.append(_Tree(width, k, base))
@@ -278,13 +285,13 @@ class _Tree:
 
     def _drawn_children(self, logits: torch.Tensor, nodes: list[int],
                         head_token_ids: torch.Tensor) -> None:
-        """`width` children of the root, one of every other node, each drawn from the node's
-        warped draft distribution, independently."""
+        """`width` children of the root, one of every other node, drawn from the node's warped
+        draft distribution without replacement (as many as it has tokens of positive mass)."""
         draft_probs = warp(fit_vocab(logits, self.vocab_size, head_token_ids), self.params)
         self.frontier = []
         for row, node in enumerate(nodes):  # [n, V]
             count = self.width if node < 0 else 1
-            drawn = sample(draft_probs[row:row + 1], self.generator, count).reshape(-1).tolist()
+            drawn = sample_distinct(draft_probs[row], count, self.generator)
             for token in drawn:
                 self.frontier.append(len(self.tokens))
                 self.tokens.append(int(token))

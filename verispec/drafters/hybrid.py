@@ -54,8 +54,9 @@ class HybridDrafter:
         return self.model.propose(history, k, params, generator)
 
 
-def tree_width_of(drafter) -> int:
-    """How wide the token trees are that a drafter proposes for greedy rows (1: chains)."""
+def tree_width_of(drafter, params: SamplingParams) -> int:
+    """How wide the token trees are that a drafter proposes for rows with these params (1:
+    chains)."""
     if isinstance(drafter, HybridDrafter):
         drafter = drafter.model
-    return drafter.tree_width if isinstance(drafter, FeatureDrafter) else 1
+    return drafter.width_for(params) if isinstance(drafter, FeatureDrafter) else 1
