@@ -58,8 +58,20 @@ class KPolicy(Protocol):
         ...
 
 
+class WholeTrees:
+    """For policies that do not price trees: verify a tree whole (at most MAX_TREE_NODES)."""
+
+    __slots__ = ()
+
+    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+        return min(int(scores.numel()), MAX_TREE_NODES)
+
+    def update_tree(self, expected: float, num_accepted: int) -> None:
+        pass
+
+
 @dataclass(slots=True)
-class FixedK:
+class FixedK(WholeTrees):
     k: int
 
     def next_k(self, free: bool = False, context: int = 0) -> int:
@@ -71,15 +83,9 @@ class FixedK:
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         pass
 
-    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
-        return min(int(scores.numel()), MAX_TREE_NODES)
-
-    def update_tree(self, expected: float, num_accepted: int) -> None:
-        pass
-
 
 @dataclass(slots=True)
-class HeuristicK:
+class HeuristicK(WholeTrees):
     """Transformers' schedule for assistant models: +2 after a round whose draft was accepted
     whole, -1 otherwise, within [1, k_max]."""
 
@@ -97,12 +103,6 @@ class HeuristicK:
             return
         step = 2 if num_accepted == num_drafted else -1
         self.k = min(self.k_max, max(1, self.k + step))
-
-    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
-        return min(int(scores.numel()), MAX_TREE_NODES)
-
-    def update_tree(self, expected: float, num_accepted: int) -> None:
-        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +237,9 @@ class AdaptiveK:
         best, best_rate, expected = 0, 1.0, 1.0
         for n, prob in enumerate(probs, start=1):
             expected += ratio * prob
-            if expected / costs.v(n + 1) > best_rate:
-                best, best_rate = n, expected / costs.v(n + 1)
+            rate = expected / costs.v(n + 1)
+            if rate > best_rate:
+                best, best_rate = n, rate
         return best
 
     def update_tree(self, expected: float, num_accepted: int) -> None:
@@ -301,18 +302,16 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
     vocab = min(target.vocab_size, 1000)
     extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
 
-    def pass_times(length: int) -> list[float]:
+    def pass_times(length: int) -> tuple[list[float], torch.Tensor]:
         history = torch.randint(0, vocab, (length,), generator=generator)
         target.logits(history, 1)  # prefill, and warm up
         return fastest([lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
-                        for n in range(1, k_max + 2)], repeats)
+                        for n in range(1, k_max + 2)], repeats), history
 
     long_verify = None
     if context < long_context <= target.max_positions - k_max - 1:
-        long_verify = verify_curve(pass_times(long_context))
-    pass_s = pass_times(context)
-    history = torch.randint(0, vocab, (context,), generator=generator)
-    target.logits(history, 1)
+        long_verify = verify_curve(pass_times(long_context)[0])
+    pass_s, history = pass_times(context)
     draft_s = 0.0
     if drafter is not None:
         greedy = SamplingParams()

@@ -46,9 +46,9 @@ from verispec.theory import batch_optimal_k
 BATCH_MARGIN = 1.10
 # Greedy rows draft token trees in batches up to this size, chains in bigger ones: Spec-Bench,
 # the shipped draft with lookup, width 8 against chains: batch 1 1.51-1.56x against 1.48x,
-# batch 4 1.13-1.24x (1.16 twice side by side) against 1.20-1.21x. (A greedy row's output is
-# the same either way; sampled rows draw trees at every size, so their draws do not depend on
-# the batch.)
+# batch 4 1.13-1.24x (1.16 twice side by side) against 1.20-1.21x; batch 2 1.24-1.28x against
+# 1.29-1.30x. (A greedy row's output is the same either way; sampled rows with a tree width
+# draw trees at every size, so their draws do not depend on the batch.)
 TREE_MAX_BATCH = 1
 
 

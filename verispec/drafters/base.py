@@ -59,16 +59,17 @@ class Draft:
         tokens [5, 7], parents [-1, 0]."""
         if self.parents is None or self.scores is None or count >= len(self):
             return self
-        ranked = sorted(range(len(self)), key=lambda i: (-float(self.scores[i]), i))
+        scores, all_parents = self.scores.tolist(), self.parents.tolist()
+        ranked = sorted(range(len(self)), key=lambda i: (-scores[i], i))
         keep = sorted(ranked[:count])
-        while True:  # ancestors of kept tokens (scores tied at a parent's: no rounding gaps)
-            parents = {int(self.parents[i]) for i in keep} - {-1} - set(keep)
-            if not parents:
+        while True:  # ancestors of kept tokens (for scores that do not fall along a path)
+            missing = {all_parents[i] for i in keep} - {-1} - set(keep)
+            if not missing:
                 break
-            keep = sorted(set(keep) | parents)
+            keep = sorted(set(keep) | missing)
         index = {old: new for new, old in enumerate(keep)}
         at = torch.tensor(keep, dtype=torch.long)
-        parents = torch.tensor([index.get(int(self.parents[i]), -1) for i in keep])
+        parents = torch.tensor([index.get(all_parents[i], -1) for i in keep])
         return Draft(self.tokens[at], None, self.source, parents, self.scores[at])
 
 

@@ -149,7 +149,7 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
             taps.append(target_cache.taps[first:history.numel() - 1])  # [T, n, H]
         drafters[i].fed = history
     logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
-    # 2. Greedy rows of a drafter with a tree width grow trees; the others draft chains.
+    # 2. Rows whose drafter has a tree width for them grow trees; the others draft chains.
     tree_rows = [n for n, i in enumerate(rows) if drafters[i].width_for(params[i]) > 1
                  and (greedy_trees or not params[i].greedy)]
     if tree_rows:
@@ -219,8 +219,6 @@ def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
         trees[-1].add_children(logits, [-1], drafter.head_token_ids)
     for depth in range(2, max(tree.depth for tree in trees) + 1):
         growing = [n for n, tree in enumerate(trees) if tree.depth >= depth]
-        if not growing:
-            break
         passes, links, fed = [], [], []
         for n in growing:
             tree, cache = trees[n], drafters[n].cache
@@ -275,13 +273,14 @@ class _Tree:
         top, index = log_probs.topk(self.width, dim=-1)  # [n, w] each
         totals = (base_scores[:, None] + top).flatten()  # [n w]
         best = totals.topk(min(self.width, totals.numel())).indices.tolist()
+        candidates = head_token_ids[index.flatten()].tolist()  # [n w] token ids
+        totals = totals.tolist()
         self.frontier = []
         for flat in best:
-            row, column = divmod(flat, self.width)
             self.frontier.append(len(self.tokens))
-            self.tokens.append(int(head_token_ids[index[row, column]]))
-            self.parents.append(nodes[row])
-            self.scores.append(float(totals[flat]))
+            self.tokens.append(candidates[flat])
+            self.parents.append(nodes[flat // self.width])
+            self.scores.append(totals[flat])
 
     def _drawn_children(self, logits: torch.Tensor, nodes: list[int],
                         head_token_ids: torch.Tensor) -> None:

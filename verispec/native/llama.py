@@ -263,6 +263,14 @@ class RowPass:
         return [self.tree.path(slot) if slot >= self.tree.base else []
                 for slot in range(self.start, self.start + length)]
 
+    def positions(self, paths: list[list[int]] | None) -> list[int]:
+        """Each new slot's position: its own slot, or for a tree node base - 1 + its depth."""
+        length = int(self.ids.numel())
+        if paths is None:
+            return list(range(self.start, self.start + length))
+        return [self.tree.base - 1 + len(path) if path else self.start + t
+                for t, path in enumerate(paths)]
+
 
 class NativeLlama:
     """forward(ids [T], start, cache) -> logits [num_logits, V] float32, writing K/V into the
@@ -410,10 +418,8 @@ class NativeLlama:
         into taps [N, n, H]."""
         shape = self.shape
         total = x.shape[0]
-        positions = torch.tensor([
-            row.tree.base - 1 + len(path) if path else row.start + t
-            for row, length, row_paths in zip(rows, lengths, paths, strict=True)
-            for t, path in enumerate(row_paths or [[]] * length)])
+        positions = torch.tensor([position for row, row_paths in zip(rows, paths, strict=True)
+                                  for position in row.positions(row_paths)])
         cos, sin = self.cos[positions], self.sin[positions]  # [N, d]
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
         plans = [self._plan(row.start, length) for row, length in zip(rows, lengths, strict=True)]
@@ -505,24 +511,20 @@ class NativeLlama:
         """q [nh, T, d] -> [nh, T, d] for a tree row: each query alone, over keys laid out as
         the chain to it would hold them (slots 0..base-1, then its path's slots), padded and
         masked as that chain's query would be, so it gets the chain's bits."""
-        cache, base = row.cache, row.tree.base if row.tree is not None else 0
+        cache, base = row.cache, row.tree.base
         heads, _, dim = q.shape
         kv_heads = self.shape.num_kv_heads
         out = []
-        for t, path in enumerate(paths):
-            slot = row.start + t
-            position = base - 1 + len(path) if path else slot
-            if not path:
-                end, order = slot + 1, None
-            else:
-                end, order = position + 1, torch.tensor(list(range(base)) + path)
+        for t, (path, position) in enumerate(zip(paths, row.positions(paths), strict=True)):
+            end = position + 1
             plan = self._plan(position, 1)
             keys_to = end if plan is None else plan[0].keys
             keys, values = cache.keys[index, :, :keys_to], cache.values[index, :, :keys_to]
-            if order is not None:  # the path's keys where the chain keeps them
+            if path:  # the path's keys where the chain keeps them, after slot base - 1
+                at = torch.tensor(path, device=keys.device)
                 keys, values = keys.clone(), values.clone()
-                keys[:, :end], values[:, :end] = cache.keys[index][:, order], \
-                    cache.values[index][:, order]
+                keys[:, base:end], values[:, base:end] = cache.keys[index][:, at], \
+                    cache.values[index][:, at]
             grouped = q[:, t].reshape(1, kv_heads, -1, dim)  # [1, nkv, group, d]
             mask = None if plan is None else plan[0].mask
             out.append(F.scaled_dot_product_attention(
