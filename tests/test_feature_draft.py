@@ -151,6 +151,16 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
     assert mixed[1].token_ids == spec.generate(prompts[1], sampled).token_ids
 
 
+def test_verispec_costs_measures_a_feature_draft(run, target_folder, capsys):
+    from verispec.cli import main
+
+    _, result = run
+    assert main(["costs", "--target", str(target_folder), "--draft", str(result.draft),
+                 "--k-max", "2"]) == 0
+    measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert measured["draft_step_c"] > 0 and len(measured["verify_v"]) == 3
+
+
 def test_a_target_without_kept_features_is_refused(run, target):
     _, result = run
     model, tokenizer = target

@@ -175,6 +175,7 @@ def parse_sizes(text: str | None) -> tuple[int, ...]:
 def run_costs(args: argparse.Namespace) -> int:
     from verispec import loading
     from verispec.decoder import make_drafter
+    from verispec.drafters.base import follow_target
     from verispec.policy import measure_costs
     from verispec.runtime import make_runner
 
@@ -183,6 +184,7 @@ def run_costs(args: argparse.Namespace) -> int:
                            runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
                            sampled_tree_width=args.sampled_tree_width)
     runner = make_runner(model, args.runtime, dtype=args.dtype, int8=args.int8)
+    follow_target(drafter, runner)  # a feature draft reads this runner's hidden states
     costs = measure_costs(runner, drafter, k_max=args.k_max)
     print(json.dumps({"runtime": type(runner).__name__, "dtype": args.dtype, "int8": args.int8,
                       "draft": args.draft,
