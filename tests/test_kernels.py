@@ -1,7 +1,9 @@
-"""verispec's C++ kernels (verispec/native/kernels.cpp): the AMX linear layer and the fused
-bfloat16 decoder forward agree with fp32 maths, transformers and the PyTorch path, and give a
-position the same bits in every pass shape. Skipped where the CPU has no AMX; the PyTorch path
-these fall back to keeps its own tests (forced on here with VERISPEC_KERNELS=0)."""
+"""verispec's C++ kernels (verispec/native/kernels.cpp): the linear layer and the fused bfloat16
+decoder forward agree with fp32 maths, transformers and the PyTorch path, and give a position the
+same bits in every pass shape. They run on AMX where the CPU has it, else on AVX512-BF16
+(VERISPEC_KERNELS=avx512 forces the latter on an AMX machine); skipped where the CPU has
+neither; the PyTorch path these fall back to keeps its own tests (forced on here with
+VERISPEC_KERNELS=0)."""
 
 from __future__ import annotations
 
@@ -22,14 +24,14 @@ IDS = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(3))
 def kernels():
     module = native_kernels.load()
     if module is None:
-        pytest.skip("verispec's C++ kernels do not run here (no AMX bf16, or no compiler)")
+        pytest.skip("verispec's C++ kernels do not run here (no AVX512-BF16, or no compiler)")
     return module
 
 
 def tiny(kind: str, head_dim: int = 32):
     """bf16 models whose sizes the kernels take, with a vocabulary that is not a multiple of
-    the kernel's 32-feature blocks. head_dim 64 and 32 attend on AMX (64 on its own path),
-    16 on the AVX-512 path."""
+    the kernel's 32-feature blocks. On an AMX machine head_dim 64 and 32 attend on AMX (64 on
+    its own path), 16 on the AVX-512 path; without AMX every width takes the AVX-512 path."""
     torch.manual_seed(0)
     common = dict(vocab_size=97, hidden_size=4 * head_dim, intermediate_size=96,
                   num_hidden_layers=2,
@@ -74,7 +76,8 @@ def test_linear_matches_fp32_and_a_row_does_not_depend_on_the_row_count(kernels)
 def test_fused_forward_matches_transformers_and_the_torch_path(kind, kernels, monkeypatch):
     model = tiny(kind)
     fused = NativeLlama.from_hf(model)
-    assert fused.fused is not None and fused.describe().endswith("(C++ AMX kernels)")
+    assert fused.fused is not None
+    assert fused.describe().endswith(f"(C++ kernels, {kernels.isa.upper()})")
     monkeypatch.setenv("VERISPEC_KERNELS", "0")
     torch_path = NativeLlama.from_hf(model)
     assert torch_path.fused is None

@@ -10,6 +10,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.native import NativeCachedModel, NativeLlama, UnsupportedModelError
+from verispec.native import llama as native_llama
+from verispec.native.llama import Linear
 
 IDS = torch.randint(0, 64, (80,), generator=torch.Generator().manual_seed(0))
 
@@ -58,6 +60,47 @@ def test_bf16_logits_do_not_depend_on_pass_size():
     together = runner.logits(IDS[:69], 9)  # the same nine positions in one pass
     for one, many in zip(steps, together, strict=True):
         assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("in_features", [576, 1536], ids=["K576", "K1536"])
+def test_bf16_linear_on_the_torch_path_gives_a_row_the_same_bits_in_any_call(in_features,
+                                                                             monkeypatch):
+    """The PyTorch path's bf16 layers (oneDNN, prepacked): every row of 64, in calls of 1..16
+    rows, equals the 64-row call's. SmolLM2's shapes; K = 1536 (its down projection) rounded a
+    lone row differently on an AMD EPYC until calls of one row were padded to two."""
+    monkeypatch.setenv("VERISPEC_KERNELS", "0")
+    generator = torch.Generator().manual_seed(5)
+    linear = Linear((torch.randn(576, in_features, generator=generator) * 0.03).bfloat16())
+    assert linear.tiles is None
+    x = torch.randn(64, in_features, generator=generator).bfloat16()
+    with torch.inference_mode():
+        together = linear(x)
+        for m in range(1, 17):
+            for first in range(0, 64 - m + 1, m):
+                assert torch.equal(linear(x[first:first + m]), together[first:first + m]), m
+
+
+def test_a_layer_that_rounds_a_lone_row_differently_is_padded_to_two_rows(monkeypatch):
+    """The probe behind the test above, against a layer made to disagree with itself: a product
+    that rounds differently when the call holds one row gets min_rows 2, and its one-row calls
+    then give the wider calls' bits; the control (no padding) differs."""
+    monkeypatch.setenv("VERISPEC_KERNELS", "0")
+    monkeypatch.setattr(native_llama, "_ROWS_PROBED", {})
+    product = Linear._product
+
+    def lone_row_rounds_up(self, x):
+        y = product(self, x)
+        return y + y.abs() * 2 ** -6 if x.shape[0] == 1 else y  # a bf16 ulp or two
+
+    monkeypatch.setattr(Linear, "_product", lone_row_rounds_up)
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(40, 64, generator=generator).bfloat16()
+    linear = Linear(weight)
+    assert linear.min_rows == 2
+    x = torch.randn(8, 64, generator=generator).bfloat16()
+    assert torch.equal(linear(x[3:4]), linear(x)[3:4])
+    assert not torch.equal(linear._product(x[3:4]), linear(x)[3:4])  # the control
+    assert Linear(weight.float()).min_rows == 1  # float32: no bitwise promise to keep
 
 
 def test_speculative_greedy_equals_plain_greedy_on_the_native_runtime_in_bf16(tokenizer):

@@ -1,4 +1,6 @@
-// verispec's CPU kernels: a bfloat16 decoder forward for Llama-family models on CPUs with AMX.
+// verispec's CPU kernels: a bfloat16 decoder forward for Llama-family models on CPUs with AMX
+// (Sapphire Rapids and later) or, without AMX, with AVX512-BF16 (AMD Zen 4 and later, Cooper
+// Lake): the same packed weights, products on AMX tiles or with VDPBF16PS.
 //
 // Why: on a 2-core CPU a SmolLM2-135M decode step in eager PyTorch spent ~15 ms in per-op
 // overhead (~20 small ops a layer) and called oneDNN 121 times at ~50 us of fixed cost each
@@ -6,8 +8,8 @@
 //
 // Batch invariance by construction: every output element is computed by one thread in an order
 // that depends only on its own inputs, never on how many positions or rows the pass holds.
-//   - linear: AMX tiles of up to 16 rows; a row's dot products run over K in the same tile
-//     order whatever the other rows are (rows of a tile do not interact);
+//   - linear: AMX tiles of up to 16 rows, or AVX-512 registers of up to 8; a row's dot products
+//     run over K in the same order whatever the other rows are (rows do not interact);
 //   - attention in short passes (decode, verification): each query over exactly its own keys
 //     0..p; its scores come from AMX tiles in which no score depends on another query or key,
 //     its softmax and weighted sum run in key order (attend_group);
@@ -30,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -39,6 +42,11 @@ constexpr int64_t BLOCK = 32;  // output features per packed weight block (two A
 constexpr int64_t TILE_K = 32;  // bf16 values of K per AMX tile row
 constexpr int64_t TILE_M = 16;  // rows per AMX tile
 constexpr int64_t MAX_HEAD_DIM = 256;
+constexpr int64_t VECTOR_ROWS = 3;  // rows per register block on the AVX512-BF16 path
+
+// Which products run: AMX tiles where the CPU has them and the OS grants them (enable()), else
+// AVX512-BF16. Set once when the module loads, before any weights are used.
+bool use_amx = false;
 
 inline float f32(bf16 v) {
   uint32_t bits = uint32_t(v) << 16;
@@ -148,6 +156,61 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void block_produ
   _tile_release();
 }
 
+// The same product without AMX: rows in register blocks of R, each step multiplying one pair
+// of K by the block's 32 x 2 weights with VDPBF16PS. A row keeps SPLIT partial sums per 16
+// features (pair p goes to sum p % SPLIT; added in a fixed tree at the end) so that even a lone
+// row has independent chains enough to hide the instruction's latency. A row's sums run in the
+// same order whatever R is, so its bits do not depend on the other rows.
+constexpr int SPLIT = 4;
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vector_rows(
+    const bf16* x, int64_t k, const void* block, bool int8, float* out) {
+  alignas(64) bf16 widened[(TILE_K / 2) * BLOCK * 2];
+  __m512 acc[R][SPLIT][2];
+  for (int r = 0; r < R; r++)
+    for (int s = 0; s < SPLIT; s++) acc[r][s][0] = acc[r][s][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < k / TILE_K; kb++) {
+    const int64_t at = kb * (TILE_K / 2) * BLOCK * 2;
+    const bf16* b = static_cast<const bf16*>(block) + at;
+    if (int8) {
+      widen_tile(static_cast<const int8_t*>(block) + at, widened);
+      b = widened;
+    }
+    for (int64_t pair = 0; pair < TILE_K / 2; pair += SPLIT) {
+      for (int s = 0; s < SPLIT; s++) {
+        const __m512bh low = (__m512bh)_mm512_loadu_si512(b + (pair + s) * BLOCK * 2);
+        const __m512bh high = (__m512bh)_mm512_loadu_si512(b + (pair + s) * BLOCK * 2 + 32);
+        for (int r = 0; r < R; r++) {
+          int32_t bits;  // x[r, 2 (pair + s)], x[r, 2 (pair + s) + 1] in every lane
+          std::memcpy(&bits, x + r * k + kb * TILE_K + 2 * (pair + s), 4);
+          const __m512bh both = (__m512bh)_mm512_set1_epi32(bits);
+          acc[r][s][0] = _mm512_dpbf16_ps(acc[r][s][0], both, low);
+          acc[r][s][1] = _mm512_dpbf16_ps(acc[r][s][1], both, high);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int half = 0; half < 2; half++)
+      _mm512_storeu_ps(out + r * BLOCK + 16 * half,
+                       _mm512_add_ps(_mm512_add_ps(acc[r][0][half], acc[r][1][half]),
+                                     _mm512_add_ps(acc[r][2][half], acc[r][3][half])));
+}
+
+void block_product_vector(const bf16* x, int64_t rows, int64_t k, const void* block, bool int8,
+                          float* out) {
+  for (int64_t row = 0; row < rows; row += VECTOR_ROWS) {
+    const bf16* at = x + row * k;
+    float* into = out + row * BLOCK;
+    switch (std::min(VECTOR_ROWS, rows - row)) {
+      case 1: vector_rows<1>(at, k, block, int8, into); break;
+      case 2: vector_rows<2>(at, k, block, int8, into); break;
+      default: vector_rows<3>(at, k, block, int8, into); break;
+    }
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 load_bf16(
     const bf16* p, __mmask16 mask) {
   return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, p));
@@ -182,9 +245,11 @@ void linear_into(const bf16* x, int64_t m, const Weight& w, bf16* y, const bf16*
       for (int64_t row = 0; row < m; row += TILE_M) {
         const int64_t rows = std::min(TILE_M, m - row);
         const int64_t element = w.scales ? 1 : 2;  // bytes per weight
-        block_product(x + row * w.k, rows, w.k,
-                      static_cast<const char*>(w.packed) + block * w.k * BLOCK * element,
-                      w.scales != nullptr, out);
+        const void* packed = static_cast<const char*>(w.packed) + block * w.k * BLOCK * element;
+        if (use_amx)
+          block_product(x + row * w.k, rows, w.k, packed, w.scales != nullptr, out);
+        else
+          block_product_vector(x + row * w.k, rows, w.k, packed, w.scales != nullptr, out);
         for (int64_t i = 0; i < rows; i++)
           store_row(out + i * BLOCK, width, w, col, y + (row + i) * w.n + col,
                     residual ? residual + (row + i) * w.n + col : nullptr);
@@ -305,10 +370,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float softmax_in
   return 1.0f / _mm512_reduce_add_ps(total);
 }
 
-// out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d].
+// out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d]; from key
+// tail_start on, the keys and values are read from tail_keys / tail_values instead (a tree
+// node's path: the same values in the same order as its chain's cache holds them).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
     const bf16* q, const bf16* keys, const bf16* values, int64_t count, int64_t d, float scale,
-    float* scores, bf16* out) {
+    float* scores, bf16* out, int64_t tail_start = INT64_MAX, const bf16* tail_keys = nullptr,
+    const bf16* tail_values = nullptr) {
+  const auto key_of = [&](int64_t j) {
+    return j < tail_start ? keys + j * d : tail_keys + (j - tail_start) * d;
+  };
+  const auto value_of = [&](int64_t j) {
+    return j < tail_start ? values + j * d : tail_values + (j - tail_start) * d;
+  };
   const int64_t chunks = (d + 15) / 16;
   __m512 query[MAX_HEAD_DIM / 16];
   __mmask16 masks[MAX_HEAD_DIM / 16];
@@ -318,7 +392,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
   }
   // 1. Scores.
   for (int64_t j = 0; j < count; j++) {
-    const bf16* key = keys + j * d;
+    const bf16* key = key_of(j);
     __m512 sum = _mm512_mul_ps(query[0], load_bf16(key, masks[0]));
     for (int64_t c = 1; c < chunks; c++)
       sum = _mm512_fmadd_ps(query[c], load_bf16(key + 16 * c, masks[c]), sum);
@@ -331,7 +405,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
   for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < count; j++) {
     const __m512 weight = _mm512_set1_ps(scores[j]);
-    const bf16* value = values + j * d;
+    const bf16* value = value_of(j);
     for (int64_t c = 0; c < chunks; c++)
       acc[c] = _mm512_fmadd_ps(weight, load_bf16(value + 16 * c, masks[c]), acc[c]);
   }
@@ -763,7 +837,7 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
     }
     // 3. Attention. Short passes (decode, verification): one (position, head) per task, each
     // over exactly its own keys. Prompt passes: torch's fused causal kernel, row by row.
-    if (d % TILE_K == 0) {
+    if (use_amx && d % TILE_K == 0) {
       // Tasks of up to 16 queries that share a KV head: a decode step's query heads one by
       // one (more tasks for the threads), a verification pass's positions and heads together.
       const auto attend_task = [&](int64_t task, GroupScratch& s) {
@@ -809,17 +883,20 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
         const Row& row = rows[owner[i]];
         const int64_t base = (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
         const bf16 *keys_of = row.keys + base, *values_of = row.values + base;
-        if (path_length(i)) {  // a tree node: its whole chain of keys, staged
-          const int64_t count = positions[i] + 1;
-          s.tails.resize(2 * count * d);
+        int64_t tail_start = INT64_MAX;
+        if (path_length(i)) {  // a tree node: its path's keys and values after the prefix
+          const int64_t length = path_length(i);
+          s.tails.resize(2 * length * d);
           const int64_t* path = path_slots.data() + path_offsets[i];
-          stage_path(keys_of, row.tree_base, path, path_length(i), 0, count, d, s.tails.data());
-          stage_path(values_of, row.tree_base, path, path_length(i), 0, count, d,
-                     s.tails.data() + count * d);
-          keys_of = s.tails.data(), values_of = s.tails.data() + count * d;
+          stage_path(keys_of, row.tree_base, path, length, row.tree_base, length, d,
+                     s.tails.data());
+          stage_path(values_of, row.tree_base, path, length, row.tree_base, length, d,
+                     s.tails.data() + length * d);
+          tail_start = row.tree_base;
         }
         attend_one(qkv + i * qkv_width + head * d, keys_of, values_of, positions[i] + 1, d,
-                   scale, s.scores.data(), attended + i * q_width + head * d);
+                   scale, s.scores.data(), attended + i * q_width + head * d, tail_start,
+                   s.tails.data(), s.tails.data() + path_length(i) * d);
       };
       parallel_tasks<GroupScratch>(int64_t(short_queries.size()) * shape.heads, balance,
                                    attend_task);
@@ -872,15 +949,22 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
-bool enable_amx() {  // does this CPU have AMX bf16, and may this process use its tiles?
-  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
-  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+// Which instruction set the products run on: "amx" (a CPU with AMX bf16 whose OS lets this
+// process use the tiles), "avx512-bf16", or "" (neither: the kernels cannot run here).
+// allow_amx false keeps AMX off where it exists (to compare the paths).
+std::string enable(bool allow_amx) {
+  if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl"))
+    return "";
+  use_amx = allow_amx && __builtin_cpu_supports("amx-bf16") &&
+            syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return use_amx ? "amx" : "avx512-bf16";
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("enable_amx", &enable_amx);
+  m.def("enable", &enable);
   m.def("pack", &pack);
   m.def("linear", &linear);
   m.def("forward_layers", &forward_layers);

@@ -1,10 +1,13 @@
-"""verispec's C++ CPU kernels (kernels.cpp): AMX bfloat16 linear layers and a whole decoder
-forward in one call. Built with the system compiler on first use (~40 s, once per machine,
-torch version and kernels.cpp), cached in $XDG_CACHE_HOME/verispec/kernels (by default
-~/.cache/verispec/kernels), and used only where they can run: a CPU with AMX and AVX512-BF16,
-bfloat16 weights. Everywhere else the runtime stays in PyTorch.
+"""verispec's C++ CPU kernels (kernels.cpp): bfloat16 linear layers and a whole decoder forward
+in one call. Built with the system compiler on first use (~40 s, once per machine, torch version
+and kernels.cpp), cached in $XDG_CACHE_HOME/verispec/kernels (by default
+~/.cache/verispec/kernels), and used only where they can run: a CPU with AVX512-BF16 (products
+on AMX tiles where it also has AMX, e.g. Sapphire Rapids; with VDPBF16PS otherwise, e.g. AMD
+Zen 4 and later), bfloat16 weights. Everywhere else the runtime stays in PyTorch.
 
-VERISPEC_KERNELS=0 turns them off (the PyTorch path, for comparison)."""
+VERISPEC_KERNELS=0 turns them off (the PyTorch path, for comparison); VERISPEC_KERNELS=avx512
+keeps AMX off where the CPU has it (the AVX512-BF16 path), read at the first load in a process.
+"""
 
 from __future__ import annotations
 
@@ -27,12 +30,13 @@ def enabled() -> bool:
     return os.environ.get("VERISPEC_KERNELS", "1") != "0"
 
 
-def _cpu_has_amx() -> bool:
+def _cpu_has_bf16() -> bool:
+    """AVX512-BF16 (the flags the kernels need beside it come with it on every such CPU)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " amx_bf16" in flags and " avx512_bf16" in flags
+    return " avx512_bf16" in flags
 
 
 def _build_directory() -> Path:
@@ -47,14 +51,15 @@ def _build_directory() -> Path:
 
 
 def load() -> ModuleType | None:
-    """The compiled kernels, or None where they cannot run here (said once in the log)."""
+    """The compiled kernels, or None where they cannot run here (said once in the log). The
+    module's `isa` says what its products run on: "amx" or "avx512-bf16"."""
     return _build() if enabled() else None
 
 
 @functools.cache
 def _build() -> ModuleType | None:
-    if not _cpu_has_amx():
-        log.info("native runtime: this CPU has no AMX bf16; the PyTorch path runs")
+    if not _cpu_has_bf16():
+        log.info("native runtime: this CPU has no AVX512-BF16; the PyTorch path runs")
         return None
     from torch.utils import cpp_extension
 
@@ -70,10 +75,12 @@ def _build() -> ModuleType | None:
         log.warning("native runtime: could not build the C++ kernels (%s); the PyTorch path runs",
                     str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
         return None
-    if not module.enable_amx():
-        log.warning("native runtime: the OS refused AMX tiles; the PyTorch path runs")
+    module.isa = module.enable(os.environ.get("VERISPEC_KERNELS", "1") != "avx512")
+    if not module.isa:
+        log.warning("native runtime: the C++ kernels cannot run on this CPU; the PyTorch path runs")
         return None
     seconds = time.perf_counter() - began
     if seconds > 2:
         log.info("native runtime: built the C++ kernels in %.0f s (cached for next time)", seconds)
+    log.info("native runtime: C++ kernels, products on %s", module.isa.upper())
     return module

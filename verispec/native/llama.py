@@ -20,6 +20,7 @@ across pass sizes.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from transformers import PreTrainedModel
 
 from verispec.errors import VerispecError
 from verispec.native import kernels
+
+log = logging.getLogger("verispec")
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 INVARIANT_MAX = 16  # passes up to this many positions attend batch-invariantly
@@ -93,11 +96,12 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  int8: bool = False) -> None:
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.weight, self.bias, self.packed, self.scales = weight, bias, None, None
         self.tiles = None  # [ceil(N/32), K/2, 32, 2]: the AMX kernel's layout
         self.tile_scales = torch.empty(0)  # [N] fp32 for int8 tiles
         cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        self.bf16_on_cpu = cpu_bf16
         if int8 and not cpu_bf16:
             raise ValueError("int8 weights need bfloat16 activations on the CPU")
         self.kernels = kernels.load() if cpu_bf16 and weight.shape[1] % 32 == 0 else None
@@ -118,8 +122,17 @@ class Linear:
                 self.weight = None  # the packed copy replaces it
             except (RuntimeError, AttributeError):
                 self.packed = None
+        # Calls of fewer rows are padded to this many (see _fewest_rows).
+        self.min_rows = 1 if self.tiles is not None else _fewest_rows(self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < self.min_rows:  # [M, K] -> [min_rows, K], zero rows after
+            padded = x.new_zeros(self.min_rows, x.shape[1])
+            padded[:x.shape[0]] = x
+            return self._product(padded)[:x.shape[0]]
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
             return self.kernels.linear(x, self.tiles, self.bias, self.tile_scales,
                                        self.out_features)
@@ -129,6 +142,42 @@ class Linear:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+_ROWS_PROBED: dict[tuple, int] = {}
+
+
+def _fewest_rows(linear: Linear) -> int:
+    """Probe (once per kind and shape of layer): the fewest rows from which every call gives a
+    row the same bits whatever the other rows are, checked up to INVARIANT_MAX rows and at a few
+    wider batches; calls of fewer rows are then padded to it. Which kernel oneDNN picks can
+    depend on the row count: on an AMD EPYC (Zen 5) a bf16 layer with K = 1536 rounds a lone
+    row differently from 2..256 rows, which made a decode step and a verification pass disagree
+    on greedy tokens. 1 where the layer is not bfloat16 on the CPU (no bitwise promise)."""
+    if not linear.bf16_on_cpu:
+        return 1
+    kind = "packed" if linear.packed is not None else "int8" if linear.scales is not None else "F"
+    key = (kind, linear.out_features, linear.in_features, linear.bias is not None)
+    if key not in _ROWS_PROBED:
+        generator = torch.Generator().manual_seed(0)
+        widest = 64
+        x = torch.randn(widest, linear.in_features, generator=generator).to(torch.bfloat16)
+        counts = [*range(1, INVARIANT_MAX + 1), 24, 32, widest]
+        with torch.inference_mode():
+            together = linear._product(x)
+            # every row, in calls of m rows: a differing sum shows only where it crosses a
+            # bfloat16 rounding boundary, so one row is too few to see it
+            same = [all(torch.equal(linear._product(x[first:first + m]),
+                                    together[first:first + m])
+                        for first in range(0, widest - m + 1, m)) for m in counts]
+        fewest = next((counts[i] for i in range(len(counts)) if all(same[i:])), None)
+        if fewest is None or fewest > INVARIANT_MAX:
+            log.warning("native runtime: a %s layer [%d x %d] rounds rows differently with the "
+                        "row count; greedy speculative output may differ from plain decoding",
+                        kind, linear.out_features, linear.in_features)
+            fewest = 1
+        _ROWS_PROBED[key] = fewest
+    return _ROWS_PROBED[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,7 +395,7 @@ class NativeLlama:
 
     def describe(self) -> str:
         int8 = " int8 weights" if self.lm_head.scales is not None else ""
-        fused = " (C++ AMX kernels)" if self.fused is not None else ""
+        fused = f" (C++ kernels, {self.kernels.isa.upper()})" if self.fused is not None else ""
         return f"native {str(self.dtype).removeprefix('torch.')}{int8}{fused}"
 
     def forward(self, ids: torch.Tensor, start: int, num_logits: int, cache: KVCache
