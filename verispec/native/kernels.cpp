@@ -163,14 +163,23 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void block_produ
 // same order whatever R is, so its bits do not depend on the other rows.
 constexpr int SPLIT = 4;
 
+// `ahead` [ahead_lines of 64 bytes]: memory to prefetch into L2 meanwhile, spread over K (the
+// thread's next weight block, or this pass's share of it): a wide call multiplies each block
+// once per register block of rows, and without it the memory stream would idle meanwhile.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vector_rows(
-    const bf16* x, int64_t k, const void* block, bool int8, float* out) {
+    const bf16* x, int64_t k, const void* block, bool int8, float* out, const char* ahead,
+    int64_t ahead_lines) {
   alignas(64) bf16 widened[(TILE_K / 2) * BLOCK * 2];
   __m512 acc[R][SPLIT][2];
   for (int r = 0; r < R; r++)
     for (int s = 0; s < SPLIT; s++) acc[r][s][0] = acc[r][s][1] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < k / TILE_K; kb++) {
+  const int64_t tiles = k / TILE_K, lines_per_tile = (ahead_lines + tiles - 1) / tiles;
+  for (int64_t kb = 0; kb < tiles; kb++) {
+    if (ahead)
+      for (int64_t line = kb * lines_per_tile;
+           line < std::min(ahead_lines, (kb + 1) * lines_per_tile); line++)
+        _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
     const int64_t at = kb * (TILE_K / 2) * BLOCK * 2;
     const bf16* b = static_cast<const bf16*>(block) + at;
     if (int8) {
@@ -198,15 +207,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vect
                                      _mm512_add_ps(acc[r][2][half], acc[r][3][half])));
 }
 
+// next: the next block this thread multiplies (prefetched meanwhile), or null.
 void block_product_vector(const bf16* x, int64_t rows, int64_t k, const void* block, bool int8,
-                          float* out) {
-  for (int64_t row = 0; row < rows; row += VECTOR_ROWS) {
+                          float* out, const void* next) {
+  const int64_t passes = (rows + VECTOR_ROWS - 1) / VECTOR_ROWS;
+  const int64_t lines = k * BLOCK * (int8 ? 1 : 2) / 64, share = (lines + passes - 1) / passes;
+  for (int64_t pass = 0; pass < passes; pass++) {
+    const int64_t row = pass * VECTOR_ROWS;
     const bf16* at = x + row * k;
     float* into = out + row * BLOCK;
+    const char* ahead = next ? static_cast<const char*>(next) + pass * share * 64 : nullptr;
+    const int64_t ahead_lines = std::min(share, lines - pass * share);
     switch (std::min(VECTOR_ROWS, rows - row)) {
-      case 1: vector_rows<1>(at, k, block, int8, into); break;
-      case 2: vector_rows<2>(at, k, block, int8, into); break;
-      default: vector_rows<3>(at, k, block, int8, into); break;
+      case 1: vector_rows<1>(at, k, block, int8, into, ahead, ahead_lines); break;
+      case 2: vector_rows<2>(at, k, block, int8, into, ahead, ahead_lines); break;
+      default: vector_rows<3>(at, k, block, int8, into, ahead, ahead_lines); break;
     }
   }
 }
@@ -246,10 +261,14 @@ void linear_into(const bf16* x, int64_t m, const Weight& w, bf16* y, const bf16*
         const int64_t rows = std::min(TILE_M, m - row);
         const int64_t element = w.scales ? 1 : 2;  // bytes per weight
         const void* packed = static_cast<const char*>(w.packed) + block * w.k * BLOCK * element;
-        if (use_amx)
+        if (use_amx) {
           block_product(x + row * w.k, rows, w.k, packed, w.scales != nullptr, out);
-        else
-          block_product_vector(x + row * w.k, rows, w.k, packed, w.scales != nullptr, out);
+        } else {
+          const bool last_pass = block + 1 < last && row + TILE_M >= m;
+          block_product_vector(x + row * w.k, rows, w.k, packed, w.scales != nullptr, out,
+                               last_pass ? static_cast<const char*>(packed) +
+                                               w.k * BLOCK * element : nullptr);
+        }
         for (int64_t i = 0; i < rows; i++)
           store_row(out + i * BLOCK, width, w, col, y + (row + i) * w.n + col,
                     residual ? residual + (row + i) * w.n + col : nullptr);
@@ -328,8 +347,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void rotate(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention. attend_one: one query over keys 0..count-1 of one KV head, fp32 throughout, for
-// head widths that are not a multiple of 32; attend_group (below): the AMX path.
+// Attention. attend_one: one query over keys 0..count-1 of one KV head with AVX512-BF16 (without
+// AMX, and for head widths that are not a multiple of 32); attend_group (below): the AMX path.
 
 __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // e^x, rel err ~2e-7
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
@@ -370,47 +389,96 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float softmax_in
   return 1.0f / _mm512_reduce_add_ps(total);
 }
 
-// out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d]; from key
-// tail_start on, the keys and values are read from tail_keys / tail_values instead (a tree
-// node's path: the same values in the same order as its chain's cache holds them).
+// Lane r of the result: the sum of v[r]'s 16 lanes, by a fixed tree (128-bit halves, then
+// pairs, then within lanes), so every key's score is summed the same way wherever it sits.
+__attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; i++)  // [v2i: 0+2, 1+3 | v2i+1: 0+2, 1+3] (128-bit quarters)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)  // quarter k: 4 partial sums of v[4i + k]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)  // quarter k: 2 partials of v[8i + k], then of v[8i + 4 + k]
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+  // lane 4k + m: the sum of v[4m + k]
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),
+                                    _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  const __m512i row_at = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(row_at, sums);
+}
+
+// out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d], for one query
+// on the AVX512-BF16 path (and head widths the AMX path does not take); from key tail_start on,
+// the keys and values are read from tail_keys / tail_values instead (a tree node's path: the
+// same values in the same order as its chain's cache holds them). Scores: bf16 products summed
+// in fp32 with VDPBF16PS, 16 keys at a time; the softmax's numerators rounded to bf16 as the
+// weights (as the AMX path does); the weighted sum of values over pairs of keys in key order.
+// Nothing depends on other queries or on where a key sits in its block. d even.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
     const bf16* q, const bf16* keys, const bf16* values, int64_t count, int64_t d, float scale,
-    float* scores, bf16* out, int64_t tail_start = INT64_MAX, const bf16* tail_keys = nullptr,
-    const bf16* tail_values = nullptr) {
+    float* scores, bf16* weights, bf16* out, int64_t tail_start = INT64_MAX,
+    const bf16* tail_keys = nullptr, const bf16* tail_values = nullptr) {
   const auto key_of = [&](int64_t j) {
     return j < tail_start ? keys + j * d : tail_keys + (j - tail_start) * d;
   };
   const auto value_of = [&](int64_t j) {
     return j < tail_start ? values + j * d : tail_values + (j - tail_start) * d;
   };
-  const int64_t chunks = (d + 15) / 16;
-  __m512 query[MAX_HEAD_DIM / 16];
-  __mmask16 masks[MAX_HEAD_DIM / 16];
+  const int64_t chunks = (d + 31) / 32;  // of 32 dimensions (16 pairs)
+  __m512bh query[MAX_HEAD_DIM / 32];
+  __mmask32 masks[MAX_HEAD_DIM / 32];
   for (int64_t c = 0; c < chunks; c++) {
-    masks[c] = lanes(d - 16 * c);
-    query[c] = load_bf16(q + 16 * c, masks[c]);
+    const int64_t width = std::min<int64_t>(32, d - 32 * c);
+    masks[c] = __mmask32(width == 32 ? ~0u : (1u << width) - 1u);
+    query[c] = (__m512bh)_mm512_maskz_loadu_epi16(masks[c], q + 32 * c);
   }
-  // 1. Scores.
-  for (int64_t j = 0; j < count; j++) {
-    const bf16* key = key_of(j);
-    __m512 sum = _mm512_mul_ps(query[0], load_bf16(key, masks[0]));
-    for (int64_t c = 1; c < chunks; c++)
-      sum = _mm512_fmadd_ps(query[c], load_bf16(key + 16 * c, masks[c]), sum);
-    scores[j] = _mm512_reduce_add_ps(sum) * scale;
+  // 1. Scores, 16 keys at a time: per key 16 partial sums of pairs, then summed across.
+  for (int64_t first = 0; first < count; first += 16) {
+    const int64_t n = std::min<int64_t>(16, count - first);
+    __m512 partial[16];
+    for (int64_t r = 0; r < 16; r++) {
+      partial[r] = _mm512_setzero_ps();
+      if (r >= n) continue;
+      const bf16* key = key_of(first + r);
+      for (int64_t c = 0; c < chunks; c++)
+        partial[r] = _mm512_dpbf16_ps(
+            partial[r], (__m512bh)_mm512_maskz_loadu_epi16(masks[c], key + 32 * c), query[c]);
+    }
+    _mm512_mask_storeu_ps(scores + first, lanes(n),
+                          _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
   }
-  // 2. Exponentials (in place) and 1 / their sum.
-  const float norm = softmax_in_place(scores, count, nullptr);
-  // 3. The weighted sum of values.
+  // 2. Exponentials, their bf16 roundings as weights, 1 / their fp32 sum.
+  const float norm = softmax_in_place(scores, count, weights);
+  // 3. The weighted sum of values, two keys at a time: lane i of a 16-dim half gets
+  // w_j v_j[i] + w_j+1 v_j+1[i] (values interleaved in pairs of keys).
+  alignas(64) uint16_t index[64];
+  for (int i = 0; i < 16; i++) {
+    index[2 * i] = uint16_t(i), index[2 * i + 1] = uint16_t(32 + i);
+    index[32 + 2 * i] = uint16_t(16 + i), index[32 + 2 * i + 1] = uint16_t(48 + i);
+  }
+  const __m512i low = _mm512_load_si512(index), high = _mm512_load_si512(index + 32);
   __m512 acc[MAX_HEAD_DIM / 16];
-  for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < count; j++) {
-    const __m512 weight = _mm512_set1_ps(scores[j]);
+  for (int64_t c = 0; c < 2 * chunks; c++) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j += 2) {
+    const bool pair = j + 1 < count;
+    const uint32_t both = uint32_t(weights[j]) | (pair ? uint32_t(weights[j + 1]) << 16 : 0u);
+    const __m512bh weight = (__m512bh)_mm512_set1_epi32(int32_t(both));
     const bf16* value = value_of(j);
-    for (int64_t c = 0; c < chunks; c++)
-      acc[c] = _mm512_fmadd_ps(weight, load_bf16(value + 16 * c, masks[c]), acc[c]);
+    const bf16* next = pair ? value_of(j + 1) : nullptr;
+    for (int64_t c = 0; c < chunks; c++) {
+      const __m512i a = _mm512_maskz_loadu_epi16(masks[c], value + 32 * c);
+      const __m512i b = pair ? _mm512_maskz_loadu_epi16(masks[c], next + 32 * c)
+                             : _mm512_setzero_si512();
+      acc[2 * c] = _mm512_dpbf16_ps(acc[2 * c], (__m512bh)_mm512_permutex2var_epi16(a, low, b),
+                                    weight);
+      acc[2 * c + 1] = _mm512_dpbf16_ps(
+          acc[2 * c + 1], (__m512bh)_mm512_permutex2var_epi16(a, high, b), weight);
+    }
   }
-  alignas(64) float result[MAX_HEAD_DIM];
-  for (int64_t c = 0; c < chunks; c++)
+  alignas(64) float result[MAX_HEAD_DIM + 32];
+  for (int64_t c = 0; c < 2 * chunks; c++)
     _mm512_store_ps(result + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(norm)));
   for (int64_t i = 0; i < d; i++) out[i] = round_bf16(result[i]);
 }
@@ -722,7 +790,8 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim;
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
   const int64_t qkv_width = q_width + 2 * kv_width;
-  TORCH_CHECK(d <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  TORCH_CHECK(d <= MAX_HEAD_DIM && d % 2 == 0, "head_dim must be even and at most ",
+              MAX_HEAD_DIM);
   TORCH_CHECK(layers.size() % 11 == 0, "11 tensors a layer");
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == h);
   // taps [N, len(tap_layers), H]: the hidden state after the first tap_layers[j] layers.
@@ -894,9 +963,10 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                      s.tails.data() + length * d);
           tail_start = row.tree_base;
         }
+        s.weights.resize(longest + 16);
         attend_one(qkv + i * qkv_width + head * d, keys_of, values_of, positions[i] + 1, d,
-                   scale, s.scores.data(), attended + i * q_width + head * d, tail_start,
-                   s.tails.data(), s.tails.data() + path_length(i) * d);
+                   scale, s.scores.data(), s.weights.data(), attended + i * q_width + head * d,
+                   tail_start, s.tails.data(), s.tails.data() + path_length(i) * d);
       };
       parallel_tasks<GroupScratch>(int64_t(short_queries.size()) * shape.heads, balance,
                                    attend_task);

@@ -348,7 +348,7 @@ class NativeLlama:
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
         if not self.layers or any(lin.tiles is None for lin in linears) \
-                or self.shape.head_dim > 256:
+                or self.shape.head_dim > 256 or self.shape.head_dim % 2:
             return None
         self.kernels = self.layers[0].qkv.kernels  # the module the weights were packed for
         return [tensor.contiguous() for layer in self.layers for tensor in (
