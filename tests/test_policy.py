@@ -8,7 +8,15 @@ from conftest import EOS_ID, perturbed_copy
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import ModelDrafter, NgramDrafter
-from verispec.policy import AdaptiveK, CostModel, FixedK, HeuristicK, measure_costs, parse_k
+from verispec.policy import (
+    AcceptanceEstimate,
+    AdaptiveK,
+    CostModel,
+    FixedK,
+    HeuristicK,
+    measure_costs,
+    parse_k,
+)
 from verispec.runtime import CachedModel
 from verispec.theory import optimal_k
 
@@ -95,12 +103,33 @@ def test_trees_are_priced_by_their_nodes():
     # depth k holds 3k nodes + the root: v(1), v(4), v(7) (past the table: along its last step)
     assert tree.verify == pytest.approx((1.0, 1.06, 1.12, 1.18, 1.24, 1.30))
     assert chain.tree(1) is chain and chain.tree(16).verify == pytest.approx((1.0, 1.32))
-    policy = AdaptiveK(chain, tree_width=3)
+    # between measured positions along the line joining them
+    assert chain.v(2.5) == pytest.approx(1.03)
+    assert chain.tree(3, nodes=1.5).verify[:3] == pytest.approx((1.0, 1.03, 1.06))
+    policy = AdaptiveK(chain, tree_width=3, cut_trees=False)  # sampled rows: trees drafted whole
     for _ in range(20):
         policy.update(0, 2, 1)  # half the depths accepted
     assert policy.next_k() == optimal_k(policy.gamma(0), 0.05, tree.verify, tree.k_max)
     assert policy.next_k() < AdaptiveK(chain, policy.estimates).next_k()  # dearer per depth
     assert policy.keep(3, 4) == AdaptiveK(chain, policy.estimates).keep(3, 4)  # lookups: chains
+
+
+def test_cut_trees_are_priced_by_the_nodes_the_cut_keeps():
+    """Greedy rows' trees are cut before verifying: a depth is priced by the nodes the cut has
+    kept per depth (a chain's one at first), so a dear wide pass does not stop the drafting a
+    narrow tree would pay for."""
+    steep = costs(0.05, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8])  # +0.1 a position
+    estimates = {0: AcceptanceEstimate(prior=0.5)}
+    whole = AdaptiveK(steep, dict(estimates), tree_width=8, cut_trees=False)
+    cut = AdaptiveK(steep, dict(estimates), tree_width=8)
+    assert whole.next_k() == 0  # 8 nodes + root: v(9) = 1.8 for one depth
+    assert cut.next_k() == optimal_k(0.5, 0.05, steep.tree(8, nodes=1).verify, 1) == 1
+    three = torch.tensor([0.6, 0.3, 0.2, 0.01, 0.01]).log()
+    for _ in range(30):
+        assert cut.tree_size(three, depth=1) == 3  # the cut at these prices
+    assert 2.4 < cut.kept.gamma < 3  # nodes kept per depth, drawn a little to the prior (1)
+    assert cut.tree_costs(steep, 8).verify[1] == pytest.approx(steep.v(cut.kept.gamma + 1))
+    assert cut.tree_costs(steep, 8).verify[1] < whole.tree_costs(steep, 8).verify[1]
 
 
 def test_costs_are_priced_at_the_sequences_context():

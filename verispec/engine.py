@@ -71,7 +71,7 @@ class Sequence:
         context = int(self.history.numel())
         draft = draft.truncated(self.policy.keep(draft.source, draft.depth, context))
         if draft.scores is not None:  # a tree: its likeliest tokens, as many as pay
-            draft = draft.pruned(self.policy.tree_size(draft.scores, context))
+            draft = draft.pruned(self.policy.tree_size(draft.scores, context, draft.depth))
         return Round(draft, torch.cat([self.history, draft.tokens]), len(draft) + 1)
 
     def finish(self, round: Round, target_logits: torch.Tensor) -> list[int]:

@@ -48,9 +48,9 @@ class KPolicy(Protocol):
         """After verification: num_drafted tokens of this source were verified."""
         ...
 
-    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+    def tree_size(self, scores: torch.Tensor, context: int = 0, depth: int = 1) -> int:
         """How many of a token tree's tokens to verify (its likeliest, by the drafter's
-        cumulative log-probabilities `scores`)."""
+        cumulative log-probabilities `scores`; the tree is `depth` deep)."""
         ...
 
     def update_tree(self, expected: float, num_accepted: int) -> None:
@@ -63,7 +63,7 @@ class WholeTrees:
 
     __slots__ = ()
 
-    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+    def tree_size(self, scores: torch.Tensor, context: int = 0, depth: int = 1) -> int:
         return min(int(scores.numel()), MAX_TREE_NODES)
 
     def update_tree(self, expected: float, num_accepted: int) -> None:
@@ -144,23 +144,31 @@ class CostModel:
         return dataclasses.replace(self, verify=share(self.verify),
                                    long_verify=share(self.long_verify))
 
-    def tree(self, width: int, max_nodes: int = MAX_TREE_NODES) -> CostModel:
-        """The prices of token trees `width` wide, by depth: verify[k] = v(width k + 1), a pass
+    def tree(self, width: int, max_nodes: int = MAX_TREE_NODES,
+             nodes: float | None = None) -> CostModel:
+        """The prices of token trees `width` wide, by depth: verify[k] = v(nodes k + 1), a pass
         over the tree's nodes and the root, extended past the measured positions along the
-        last measured step; depth up to max_nodes // width. Width 1 is this model."""
+        last measured step; depth up to max_nodes // width. nodes: the nodes a depth is priced
+        at (default width; fewer where trees are cut before verifying). Width 1 is this model.
+        """
         if width <= 1:
             return self
         depth = max(1, max_nodes // width)
-        return dataclasses.replace(self, verify=tuple(self.v(width * k + 1)
+        nodes = float(width if nodes is None else nodes)
+        return dataclasses.replace(self, verify=tuple(self.v(nodes * k + 1)
                                                       for k in range(depth + 1)))
 
-    def v(self, positions: int) -> float:
-        """v(positions), past the measured positions along the last measured step."""
+    def v(self, positions: float) -> float:
+        """v(positions), between measured positions along the line joining them, past them
+        along the last measured step."""
         if self.long_verify is not None:
             raise ValueError("price passes at a context: costs.at(context)")
         last = len(self.verify)
         if positions <= last:
-            return self.verify[positions - 1]
+            below = max(1, int(positions))
+            above = min(last, below + 1)
+            return self.verify[below - 1] + (positions - below) * (
+                self.verify[above - 1] - self.verify[below - 1])
         slope = self.verify[-1] - self.verify[-2] if last > 1 else 0.0
         return self.verify[-1] + slope * (positions - last)
 
@@ -210,6 +218,11 @@ class AdaptiveK:
     # starting at 1): the tree's size is chosen each round from the promise (`tree_size`).
     calibration: AcceptanceEstimate = field(
         default_factory=lambda: AcceptanceEstimate(prior=1.0))
+    # Trees cut by `tree_size` before verifying (greedy rows) price a depth by the nodes the
+    # cut has been keeping per depth (starting as a chain: 1), not by the full width: where a
+    # wide pass is dear, the cut keeps few nodes, and drafting still pays as a narrow tree.
+    cut_trees: bool = True
+    kept: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior=1.0))
 
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
@@ -226,11 +239,11 @@ class AdaptiveK:
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
 
-    def tree_size(self, scores: torch.Tensor, context: int = 0) -> int:
+    def tree_size(self, scores: torch.Tensor, context: int = 0, depth: int = 1) -> int:
         """The n maximising (1 + a * sum of the n likeliest tokens' probabilities) / v(n + 1):
         each token is on the accepted path with about the probability the drafter gives its
         path, times a (`calibration`, learnt from the rounds so far); the tree is drafted
-        already, so only the target pass is priced."""
+        already, so only the target pass is priced. depth: the tree's (for `kept`)."""
         costs = self.costs.at(context)
         ratio = self.calibration.gamma
         probs = scores.float().exp().sort(descending=True).values[:MAX_TREE_NODES].tolist()
@@ -240,13 +253,19 @@ class AdaptiveK:
             rate = expected / costs.v(n + 1)
             if rate > best_rate:
                 best, best_rate = n, rate
+        self.kept.update(max(1, depth), best)
         return best
 
     def update_tree(self, expected: float, num_accepted: int) -> None:
         self.calibration.update(expected, num_accepted)
 
+    def tree_costs(self, costs: CostModel, width: int) -> CostModel:
+        """costs (at a context) for this policy's trees `width` wide, by depth."""
+        nodes = min(width, self.kept.gamma) if self.cut_trees else width
+        return costs.tree(width, nodes=nodes)
+
     def _best_k(self, gamma: float, width: int = 1, context: int = 0) -> int:
-        costs = self.costs.at(context).tree(width)
+        costs = self.tree_costs(self.costs.at(context), width)
         return optimal_k(gamma, costs.draft_step, costs.verify, costs.k_max)
 
     def _estimate(self, source: int) -> AcceptanceEstimate:

@@ -195,7 +195,10 @@ class Scheduler:
         row_costs = costs.row_share(len(running))
         row_widths = [tree_width_of(self.decoder.drafter, r.params)
                       if greedy_trees or not r.params.greedy else 1 for r in running]
-        costs = costs.tree(max(row_widths))  # K: the trees' depth where rows draft trees
+        # K: the trees' depth where rows draft trees, priced as the widest row's policy
+        # prices its trees (a greedy row's by the nodes its cut keeps)
+        widest = max(range(len(running)), key=lambda i: row_widths[i])
+        costs = policies[widest].tree_costs(costs, row_widths[widest])
         for policy, row_width in zip(policies, row_widths, strict=True):
             # each row's own cut (AdaptiveK.keep) pays its share of a pass
             policy.costs, policy.tree_width = row_costs, row_width
