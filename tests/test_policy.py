@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import EOS_ID, perturbed_copy
@@ -150,6 +152,21 @@ def test_costs_are_priced_at_the_sequences_context():
     assert policy.keep(3, 8, context=2000) <= policy.keep(3, 8, context=100)
 
 
+def test_a_draft_models_step_is_priced_at_the_context_where_it_was_timed_at_both():
+    """A draft model attends over the context too: c timed after 128 and 1,024 tokens is
+    interpolated like v, and a dearer c at length means a shallower K there."""
+    two = CostModel(0.05, (1.0, 1.02, 1.04, 1.06), 0.01, long_verify=(1.0, 1.02, 1.04, 1.06),
+                    contexts=(128, 1024), long_draft_step=0.25)
+    assert two.at(128).draft_step == pytest.approx(0.05)
+    assert two.at(576).draft_step == pytest.approx(0.15)
+    assert two.at(576).long_draft_step is None
+    flat = dataclasses.replace(two, long_draft_step=None)
+    assert flat.at(1024).draft_step == pytest.approx(0.05)  # not timed there: unchanged
+    estimates = {0: AcceptanceEstimate(prior=0.6)}
+    assert AdaptiveK(two, dict(estimates)).next_k(context=1024) < \
+        AdaptiveK(flat, dict(estimates)).next_k(context=1024)
+
+
 def test_a_trees_size_is_what_its_probabilities_pay_for():
     policy = AdaptiveK(costs(0.05, [1.0, 1.05, 1.10, 1.15, 1.20]))  # +0.05 a position
     confident = torch.tensor([0.9, 0.8, 0.05, 0.04, 0.03, 0.02]).log()
@@ -172,10 +189,14 @@ def test_optimal_k_with_a_verify_curve():
 
 def test_measure_costs_on_a_real_runtime(text_target):
     model = CachedModel(text_target)
-    measured = measure_costs(model, NgramDrafter(), k_max=4, context=32, repeats=3)
+    measured = measure_costs(model, NgramDrafter(), k_max=4, context=32, repeats=3,
+                             long_context=64)
     assert len(measured.verify) == 5 and measured.verify[0] == 1.0
     assert all(a <= b for a, b in zip(measured.verify, measured.verify[1:], strict=False))
     assert measured.draft_step >= 0 and measured.target_step_s > 0
+    assert measured.long_verify is not None and measured.long_draft_step >= 0
+    assert measure_costs(model, None, k_max=4, context=32, repeats=1,
+                         long_context=64).long_draft_step == 0.0
 
 
 @pytest.mark.parametrize("k", ["auto", "heuristic"])

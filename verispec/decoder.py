@@ -96,11 +96,13 @@ class SpeculativeDecoder:
         if self._costs is None:
             self._costs = measure_costs(self.target, self.drafter, k_max=AUTO_K_MAX, repeats=5)
             log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s (after %d tokens; "
-                     "after %d: %s), target step %.1f ms",
+                     "after %d: %s, c=%s), target step %.1f ms",
                      self._costs.draft_step, AUTO_K_MAX + 1,
                      " ".join(f"{v:.2f}" for v in self._costs.verify), self._costs.contexts[0],
                      self._costs.contexts[1],
                      " ".join(f"{v:.2f}" for v in self._costs.long_verify or ()) or "-",
+                     "-" if self._costs.long_draft_step is None
+                     else f"{self._costs.long_draft_step:.3f}",
                      self._costs.target_step_s * 1e3)
         return self._costs
 

@@ -116,18 +116,26 @@ class CostModel:
     # every extra position attends over more keys: v(n) grows with the context (`at`).
     long_verify: tuple[float, ...] | None = None
     contexts: tuple[int, int] = (128, 1024)  # the contexts verify and long_verify were timed at
+    # c after the longer context (relative to a one-token target step there): a draft model
+    # attends over the context too. None: c does not change with the context.
+    long_draft_step: float | None = None
 
     def at(self, context: int) -> CostModel:
-        """The prices for a sequence of `context` tokens: v(n) along the line through the two
-        measured contexts (beyond them too), never below 1; unchanged with one context.
-        Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10 at 576."""
+        """The prices for a sequence of `context` tokens: v(n) (and c, where timed at both)
+        along the line through the two measured contexts (beyond them too), v never below 1;
+        unchanged with one context. Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10 at
+        576."""
         if self.long_verify is None:
             return self
         short, long = self.contexts
         weight = (context - short) / (long - short)
         verify = tuple(max(1.0, v + weight * (w - v))
                        for v, w in zip(self.verify, self.long_verify, strict=True))
-        return dataclasses.replace(self, verify=verify, long_verify=None)
+        draft_step = self.draft_step
+        if self.long_draft_step is not None:
+            draft_step = max(0.0, draft_step + weight * (self.long_draft_step - draft_step))
+        return dataclasses.replace(self, verify=verify, long_verify=None, draft_step=draft_step,
+                                   long_draft_step=None)
 
     @property
     def k_max(self) -> int:
@@ -327,21 +335,26 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
         return fastest([lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
                         for n in range(1, k_max + 2)], repeats), history
 
-    long_verify = None
-    if context < long_context <= target.max_positions - k_max - 1:
-        long_verify = verify_curve(pass_times(long_context)[0])
-    pass_s, history = pass_times(context)
-    draft_s = 0.0
-    if drafter is not None:
+    def draft_time(history: torch.Tensor) -> float:
+        if drafter is None:
+            return 0.0
         greedy = SamplingParams()
         drafter.propose(history, 1, greedy, None)
         # One draft token after the history: the drafter's cache holds all but the last token.
         step = [lambda: drafter.propose(torch.cat([history, extra[:1]]), 1, greedy, None),
                 lambda: drafter.propose(history, 1, greedy, None)]
-        draft_s = fastest(step, repeats)[0]
+        return fastest(step, repeats)[0]
+
+    long_verify = long_draft = None
+    if context < long_context <= target.max_positions - k_max - 1:
+        long_s, long_history = pass_times(long_context)
+        long_verify = verify_curve(long_s)
+        long_draft = draft_time(long_history) / long_s[0]
+    pass_s, history = pass_times(context)
+    draft_s = draft_time(history)
     return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
                      target_step_s=pass_s[0], long_verify=long_verify,
-                     contexts=(context, long_context))
+                     contexts=(context, long_context), long_draft_step=long_draft)
 
 
 def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
