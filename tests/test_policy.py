@@ -167,6 +167,20 @@ def test_a_draft_models_step_is_priced_at_the_context_where_it_was_timed_at_both
         AdaptiveK(flat, dict(estimates)).next_k(context=1024)
 
 
+def test_sampled_rows_pay_for_sampling_each_drafted_token():
+    """A sampled round also warps and draws the draft's distribution and the target's at every
+    checked position: priced per drafted token (CostModel.sampling_step), a sampled row drafts
+    no deeper than a greedy one, and not at all where that eats the gain."""
+    model = CostModel(0.05, (1.0, 1.05, 1.10, 1.15, 1.20), 0.01, sampling_step=0.2)
+    assert model.sampled().draft_step == pytest.approx(0.25)
+    assert model.sampled().sampling_step == 0.0
+    estimates = {0: AcceptanceEstimate(prior=0.3)}
+    greedy = AdaptiveK(model, dict(estimates))
+    sampled = AdaptiveK(model, dict(estimates), sampling=True)
+    assert greedy.next_k() >= 1 and sampled.next_k() == 0
+    assert sampled.next_k() == optimal_k(0.3, 0.25, model.verify, model.k_max)
+
+
 def test_a_trees_size_is_what_its_probabilities_pay_for():
     policy = AdaptiveK(costs(0.05, [1.0, 1.05, 1.10, 1.15, 1.20]))  # +0.05 a position
     confident = torch.tensor([0.9, 0.8, 0.05, 0.04, 0.03, 0.02]).log()
@@ -195,6 +209,7 @@ def test_measure_costs_on_a_real_runtime(text_target):
     assert all(a <= b for a, b in zip(measured.verify, measured.verify[1:], strict=False))
     assert measured.draft_step >= 0 and measured.target_step_s > 0
     assert measured.long_verify is not None and measured.long_draft_step >= 0
+    assert measured.sampling_step > 0  # warping the target's distribution costs something
     assert measure_costs(model, None, k_max=4, context=32, repeats=1,
                          long_context=64).long_draft_step == 0.0
 

@@ -192,6 +192,7 @@ def run_costs(args: argparse.Namespace) -> int:
                       "draft_step_c": round(costs.draft_step, 4),
                       "draft_step_c_long": None if costs.long_draft_step is None
                       else round(costs.long_draft_step, 4),
+                      "sampling_step": round(costs.sampling_step, 4),
                       "verify_v": [round(v, 3) for v in costs.verify],
                       "verify_v_long": [round(v, 3) for v in costs.long_verify or ()],
                       "contexts": list(costs.contexts)}))

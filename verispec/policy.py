@@ -119,6 +119,10 @@ class CostModel:
     # c after the longer context (relative to a one-token target step there): a draft model
     # attends over the context too. None: c does not change with the context.
     long_draft_step: float | None = None
+    # What a sampled row pays per drafted token beyond a greedy one: the drafter warping and
+    # drawing from its distribution, and verification warping the target's distribution at one
+    # more position and the rejection step over it (`sampled`).
+    sampling_step: float = 0.0
 
     def at(self, context: int) -> CostModel:
         """The prices for a sequence of `context` tokens: v(n) (and c, where timed at both)
@@ -136,6 +140,11 @@ class CostModel:
             draft_step = max(0.0, draft_step + weight * (self.long_draft_step - draft_step))
         return dataclasses.replace(self, verify=verify, long_verify=None, draft_step=draft_step,
                                    long_draft_step=None)
+
+    def sampled(self) -> CostModel:
+        """The prices a sampled row sees: each drafted token also costs sampling_step."""
+        return dataclasses.replace(self, draft_step=self.draft_step + self.sampling_step,
+                                   sampling_step=0.0)
 
     @property
     def k_max(self) -> int:
@@ -231,12 +240,14 @@ class AdaptiveK:
     # wide pass is dear, the cut keeps few nodes, and drafting still pays as a narrow tree.
     cut_trees: bool = True
     kept: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior=1.0))
+    # A sampled row's: its drafted tokens cost CostModel.sampling_step more each.
+    sampling: bool = False
 
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
 
     def next_k(self, free: bool = False, context: int = 0) -> int:
-        if free or self.costs.draft_step < CHEAP_DRAFT:
+        if free or self.costs.draft_step < CHEAP_DRAFT:  # lookups: priced in keep()
             return self.costs.k_max
         return self._best_k(self.gamma(0), self.tree_width, context)
 
@@ -273,7 +284,8 @@ class AdaptiveK:
         return costs.tree(width, nodes=nodes)
 
     def _best_k(self, gamma: float, width: int = 1, context: int = 0) -> int:
-        costs = self.tree_costs(self.costs.at(context), width)
+        costs = self.costs.at(context)
+        costs = self.tree_costs(costs.sampled() if self.sampling else costs, width)
         return optimal_k(gamma, costs.draft_step, costs.verify, costs.k_max)
 
     def _estimate(self, source: int) -> AcceptanceEstimate:
@@ -335,14 +347,15 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
         return fastest([lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
                         for n in range(1, k_max + 2)], repeats), history
 
-    def draft_time(history: torch.Tensor) -> float:
+    def draft_time(history: torch.Tensor, params: SamplingParams | None = None) -> float:
         if drafter is None:
             return 0.0
-        greedy = SamplingParams()
-        drafter.propose(history, 1, greedy, None)
+        params = params or SamplingParams()
+        rng = None if params.greedy else torch.Generator().manual_seed(0)
+        drafter.propose(history, 1, params, rng)
         # One draft token after the history: the drafter's cache holds all but the last token.
-        step = [lambda: drafter.propose(torch.cat([history, extra[:1]]), 1, greedy, None),
-                lambda: drafter.propose(history, 1, greedy, None)]
+        step = [lambda: drafter.propose(torch.cat([history, extra[:1]]), 1, params, rng),
+                lambda: drafter.propose(history, 1, params, rng)]
         return fastest(step, repeats)[0]
 
     long_verify = long_draft = None
@@ -352,9 +365,33 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
         long_draft = draft_time(long_history) / long_s[0]
     pass_s, history = pass_times(context)
     draft_s = draft_time(history)
+    sampled_s = max(0.0, draft_time(history, SamplingParams(temperature=1.0)) - draft_s)
     return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
                      target_step_s=pass_s[0], long_verify=long_verify,
-                     contexts=(context, long_context), long_draft_step=long_draft)
+                     contexts=(context, long_context), long_draft_step=long_draft,
+                     sampling_step=(sampled_s + sampled_verify_time(
+                         target.vocab_size, repeats)) / pass_s[0])
+
+
+def sampled_verify_time(vocab_size: int, repeats: int) -> float:
+    """Seconds that verifying one sampled draft token adds to plain sampling: the target's
+    distribution warped at two positions and the rejection step, against warping one and
+    drawing from it (random logits; the times do not depend on them). A round of one token:
+    the round's fixed part (the draw after the last position) is charged to its token, which
+    overprices longer rounds a little, on the side of not drafting."""
+    from verispec.sampling import sample, warp
+    from verispec.verify import rejection_sample
+
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(2, vocab_size, generator=generator)  # [2, V]
+    draft_probs = torch.softmax(torch.randn(1, 1, vocab_size, generator=generator), -1)
+    tokens = torch.randint(0, vocab_size, (1, 1), generator=generator)
+    plain, drafted = fastest([
+        lambda: sample(warp(logits[:1], params), generator),
+        lambda: rejection_sample(tokens, draft_probs, warp(logits[None], params), generator)],
+        repeats)
+    return max(0.0, drafted - plain)
 
 
 def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,

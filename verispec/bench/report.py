@@ -158,6 +158,8 @@ def render_markdown(results: dict) -> str:
                            + " ".join(f"{v:.2f}" for v in cost["long_verify"]))
             if cost.get("long_draft_step") is not None:
                 at_long += f" (c = {cost['long_draft_step']:.3f})"
+            if cost.get("sampling_step"):
+                at_long += f"; sampled rows +{cost['sampling_step']:.3f} a drafted token"
             lines.append(f"- {name}: draft step c = {cost['draft_step']:.3f}; verify v(1..n) = "
                          f"{curve} after {short} tokens{at_long}; one target step = "
                          f"{cost['target_step_s'] * 1e3:.1f} ms")
