@@ -161,7 +161,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void block_produ
 // features (pair p goes to sum p % SPLIT; added in a fixed tree at the end) so that even a lone
 // row has independent chains enough to hide the instruction's latency. A row's sums run in the
 // same order whatever R is, so its bits do not depend on the other rows.
-constexpr int SPLIT = 4;
+constexpr int SPLIT = 4;  // the fixed tree in vector_rows adds four
 
 // `ahead` [ahead_lines of 64 bytes]: memory to prefetch into L2 meanwhile, spread over K (the
 // thread's next weight block, or this pass's share of it): a wide call multiplies each block
@@ -200,6 +200,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vect
       }
     }
   }
+  static_assert(SPLIT == 4, "the sums below are added as a tree of four");
   for (int r = 0; r < R; r++)
     for (int half = 0; half < 2; half++)
       _mm512_storeu_ps(out + r * BLOCK + 16 * half,
