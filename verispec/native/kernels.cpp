@@ -410,28 +410,39 @@ __attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_permutexvar_ps(row_at, sums);
 }
 
+// Dimensions 32 c .. 32 c + 31 of a key or value row (CHUNKS > 0: all there; else masked).
+template <int CHUNKS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512i load_chunk(
+    const bf16* row, int64_t c, __mmask32 mask) {
+  return CHUNKS > 0 ? _mm512_loadu_si512(row + 32 * c)
+                    : _mm512_maskz_loadu_epi16(mask, row + 32 * c);
+}
+
 // out [d] = softmax(q . K^T * scale) V over keys [count, d] and values [count, d], for one query
 // on the AVX512-BF16 path (and head widths the AMX path does not take); from key tail_start on,
 // the keys and values are read from tail_keys / tail_values instead (a tree node's path: the
 // same values in the same order as its chain's cache holds them). Scores: bf16 products summed
 // in fp32 with VDPBF16PS, 16 keys at a time; the softmax's numerators rounded to bf16 as the
 // weights (as the AMX path does); the weighted sum of values over pairs of keys in key order.
-// Nothing depends on other queries or on where a key sits in its block. d even.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
+// Nothing depends on other queries or on where a key sits in its block. d even. CHUNKS > 0:
+// d is exactly 32 CHUNKS, known when compiling (the loops over d unrolled, their vectors kept
+// in registers; attend_one picks it); 0: any even d, masked.
+template <int CHUNKS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_query(
     const bf16* q, const bf16* keys, const bf16* values, int64_t count, int64_t d, float scale,
-    float* scores, bf16* weights, bf16* out, int64_t tail_start = INT64_MAX,
-    const bf16* tail_keys = nullptr, const bf16* tail_values = nullptr) {
+    float* scores, bf16* weights, bf16* out, int64_t tail_start, const bf16* tail_keys,
+    const bf16* tail_values) {
   const auto key_of = [&](int64_t j) {
     return j < tail_start ? keys + j * d : tail_keys + (j - tail_start) * d;
   };
   const auto value_of = [&](int64_t j) {
     return j < tail_start ? values + j * d : tail_values + (j - tail_start) * d;
   };
-  const int64_t chunks = (d + 31) / 32;  // of 32 dimensions (16 pairs)
+  const int64_t chunks = CHUNKS > 0 ? CHUNKS : (d + 31) / 32;  // of 32 dimensions (16 pairs)
   __m512bh query[MAX_HEAD_DIM / 32];
   __mmask32 masks[MAX_HEAD_DIM / 32];
   for (int64_t c = 0; c < chunks; c++) {
-    const int64_t width = std::min<int64_t>(32, d - 32 * c);
+    const int64_t width = CHUNKS > 0 ? 32 : std::min<int64_t>(32, d - 32 * c);
     masks[c] = __mmask32(width == 32 ? ~0u : (1u << width) - 1u);
     query[c] = (__m512bh)_mm512_maskz_loadu_epi16(masks[c], q + 32 * c);
   }
@@ -444,8 +455,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
       if (r >= n) continue;
       const bf16* key = key_of(first + r);
       for (int64_t c = 0; c < chunks; c++)
-        partial[r] = _mm512_dpbf16_ps(
-            partial[r], (__m512bh)_mm512_maskz_loadu_epi16(masks[c], key + 32 * c), query[c]);
+        partial[r] = _mm512_dpbf16_ps(partial[r], (__m512bh)load_chunk<CHUNKS>(key, c, masks[c]),
+                                      query[c]);
     }
     _mm512_mask_storeu_ps(scores + first, lanes(n),
                           _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
@@ -469,9 +480,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
     const bf16* value = value_of(j);
     const bf16* next = pair ? value_of(j + 1) : nullptr;
     for (int64_t c = 0; c < chunks; c++) {
-      const __m512i a = _mm512_maskz_loadu_epi16(masks[c], value + 32 * c);
-      const __m512i b = pair ? _mm512_maskz_loadu_epi16(masks[c], next + 32 * c)
-                             : _mm512_setzero_si512();
+      const __m512i a = load_chunk<CHUNKS>(value, c, masks[c]);
+      const __m512i b = pair ? load_chunk<CHUNKS>(next, c, masks[c]) : _mm512_setzero_si512();
       acc[2 * c] = _mm512_dpbf16_ps(acc[2 * c], (__m512bh)_mm512_permutex2var_epi16(a, low, b),
                                     weight);
       acc[2 * c + 1] = _mm512_dpbf16_ps(
@@ -482,6 +492,23 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_one(
   for (int64_t c = 0; c < 2 * chunks; c++)
     _mm512_store_ps(result + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(norm)));
   for (int64_t i = 0; i < d; i++) out[i] = round_bf16(result[i]);
+}
+
+void attend_one(const bf16* q, const bf16* keys, const bf16* values, int64_t count, int64_t d,
+                float scale, float* scores, bf16* weights, bf16* out,
+                int64_t tail_start = INT64_MAX, const bf16* tail_keys = nullptr,
+                const bf16* tail_values = nullptr) {
+  switch (d) {
+    case 64:
+      return attend_query<2>(q, keys, values, count, d, scale, scores, weights, out,
+                             tail_start, tail_keys, tail_values);
+    case 128:
+      return attend_query<4>(q, keys, values, count, d, scale, scores, weights, out,
+                             tail_start, tail_keys, tail_values);
+    default:
+      return attend_query<0>(q, keys, values, count, d, scale, scores, weights, out,
+                             tail_start, tail_keys, tail_values);
+  }
 }
 
 // Attention for up to 16 queries that share one KV head (the heads of a GQA group, the
