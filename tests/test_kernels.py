@@ -7,6 +7,11 @@ VERISPEC_KERNELS=0)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -144,6 +149,23 @@ def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels, head_dim):
     assert torch.equal(together[1], one_by_one[:16])
     alone = NativeCachedModel(native)
     assert torch.equal(together[2], alone.logits(IDS[:30], 1))
+
+
+def test_the_avx512_path_on_an_amx_machine(kernels):
+    """Where the CPU has AMX this file's tests run on it; the AVX512-BF16 path that CPUs without
+    AMX take (VERISPEC_KERNELS=avx512, read once per process) is run here in a process of its
+    own over the same tests. Without AMX the tests above ran on that path already."""
+    if kernels.isa != "amx":
+        pytest.skip("no AMX here: every test above ran on the AVX512-BF16 path")
+    if os.environ.get("VERISPEC_KERNELS") == "avx512":
+        pytest.skip("this is the AVX512-BF16 run")
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(tests / "test_kernels.py"), str(tests / "test_tree.py")],
+        env={**os.environ, "VERISPEC_KERNELS": "avx512"}, capture_output=True, text=True,
+        timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 def test_the_torch_path_keeps_speculative_greedy_exact_in_bf16(tokenizer, monkeypatch):
