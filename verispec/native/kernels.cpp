@@ -166,10 +166,11 @@ constexpr int SPLIT = 4;  // the fixed tree in vector_rows adds four
 // `ahead` [ahead_lines of 64 bytes]: memory to prefetch into L2 meanwhile, spread over K (the
 // thread's next weight block, or this pass's share of it): a wide call multiplies each block
 // once per register block of rows, and without it the memory stream would idle meanwhile.
+// keep: where int8 weights are widened to (for the later passes), or null.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vector_rows(
     const bf16* x, int64_t k, const void* block, bool int8, float* out, const char* ahead,
-    int64_t ahead_lines) {
+    int64_t ahead_lines, bf16* keep) {
   alignas(64) bf16 widened[(TILE_K / 2) * BLOCK * 2];
   __m512 acc[R][SPLIT][2];
   for (int r = 0; r < R; r++)
@@ -183,8 +184,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vect
     const int64_t at = kb * (TILE_K / 2) * BLOCK * 2;
     const bf16* b = static_cast<const bf16*>(block) + at;
     if (int8) {
-      widen_tile(static_cast<const int8_t*>(block) + at, widened);
-      b = widened;
+      b = keep ? keep + at : widened;
+      widen_tile(static_cast<const int8_t*>(block) + at, const_cast<bf16*>(b));
     }
     for (int64_t pair = 0; pair < TILE_K / 2; pair += SPLIT) {
       for (int s = 0; s < SPLIT; s++) {
@@ -208,11 +209,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vect
                                      _mm512_add_ps(acc[r][2][half], acc[r][3][half])));
 }
 
-// next: the next block this thread multiplies (prefetched meanwhile), or null.
+// next: the next block this thread multiplies (prefetched meanwhile), or null. int8 weights
+// multiplied in more than one pass are widened to bfloat16 by the first pass into a copy the
+// later passes read (exactly: they multiply the same values), not once a pass.
 void block_product_vector(const bf16* x, int64_t rows, int64_t k, const void* block, bool int8,
                           float* out, const void* next) {
   const int64_t passes = (rows + VECTOR_ROWS - 1) / VECTOR_ROWS;
   const int64_t lines = k * BLOCK * (int8 ? 1 : 2) / 64, share = (lines + passes - 1) / passes;
+  thread_local std::vector<bf16> widened;  // [K/2, 32, 2]: the first pass widens into it
+  bf16* keep = nullptr;
+  if (int8 && passes > 1) {
+    widened.resize(k * BLOCK);
+    keep = widened.data();
+  }
   for (int64_t pass = 0; pass < passes; pass++) {
     const int64_t row = pass * VECTOR_ROWS;
     const bf16* at = x + row * k;
@@ -220,10 +229,11 @@ void block_product_vector(const bf16* x, int64_t rows, int64_t k, const void* bl
     const char* ahead = next ? static_cast<const char*>(next) + pass * share * 64 : nullptr;
     const int64_t ahead_lines = std::min(share, lines - pass * share);
     switch (std::min(VECTOR_ROWS, rows - row)) {
-      case 1: vector_rows<1>(at, k, block, int8, into, ahead, ahead_lines); break;
-      case 2: vector_rows<2>(at, k, block, int8, into, ahead, ahead_lines); break;
-      default: vector_rows<3>(at, k, block, int8, into, ahead, ahead_lines); break;
+      case 1: vector_rows<1>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
+      case 2: vector_rows<2>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
+      default: vector_rows<3>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
     }
+    if (keep) block = keep, int8 = false, keep = nullptr;  // later passes: the widened copy
   }
 }
 
