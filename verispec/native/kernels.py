@@ -23,7 +23,8 @@ import torch
 
 log = logging.getLogger("verispec")
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCE = Path(__file__).with_name("kernels.cpp")  # includes its parts from kernels/*.h
+PARTS = sorted(Path(__file__).with_name("kernels").glob("*.h"))
 
 
 def enabled() -> bool:
@@ -40,11 +41,12 @@ def _cpu_has_bf16() -> bool:
 
 
 def _build_directory() -> Path:
-    """One folder per torch version and kernels.cpp: a process that has the library loaded
-    never sees it rebuilt under it by another verispec version."""
+    """One folder per torch version and kernel source (kernels.cpp and its parts): a process
+    that has the library loaded never sees it rebuilt under it by another verispec version."""
     from verispec.loading import cache_root
 
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    source = hashlib.sha256(b"".join(path.read_bytes() for path in [SOURCE, *PARTS]))
+    source = source.hexdigest()[:12]
     folder = cache_root().parent / "kernels" / f"torch-{torch.__version__}-{source}"
     folder.mkdir(parents=True, exist_ok=True)  # beside models/
     return folder
