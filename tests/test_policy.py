@@ -132,6 +132,10 @@ def test_cut_trees_are_priced_by_the_nodes_the_cut_keeps():
     assert 2.4 < cut.kept.gamma < 3  # nodes kept per depth, drawn a little to the prior (1)
     assert cut.tree_costs(steep, 8).verify[1] == pytest.approx(steep.v(cut.kept.gamma + 1))
     assert cut.tree_costs(steep, 8).verify[1] < whole.tree_costs(steep, 8).verify[1]
+    # a cut that keeps nothing round after round: a depth still costs at least a chain's node
+    for _ in range(30):
+        assert cut.tree_size(torch.tensor([0.01, 0.01]).log(), depth=1) == 0
+    assert cut.kept.gamma < 1 and cut.tree_costs(steep, 8).verify[1] == pytest.approx(steep.v(2))
 
 
 def test_costs_are_priced_at_the_sequences_context():

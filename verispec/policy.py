@@ -280,7 +280,9 @@ class AdaptiveK:
 
     def tree_costs(self, costs: CostModel, width: int) -> CostModel:
         """costs (at a context) for this policy's trees `width` wide, by depth."""
-        nodes = min(width, self.kept.gamma) if self.cut_trees else width
+        # at least a chain's node: rounds the cut leaves empty verify nothing, but gamma is
+        # learnt from the rounds that verified something
+        nodes = min(width, max(1.0, self.kept.gamma)) if self.cut_trees else width
         return costs.tree(width, nodes=nodes)
 
     def _best_k(self, gamma: float, width: int = 1, context: int = 0) -> int:
