@@ -159,6 +159,9 @@ def test_verispec_costs_measures_a_feature_draft(run, target_folder, capsys):
                  "--k-max", "2"]) == 0
     measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert measured["draft_step_c"] > 0 and len(measured["verify_v"]) == 3
+    # the draft's step after the long context and what sampling adds per drafted token
+    assert measured["sampling_step"] > 0
+    assert measured["draft_step_c_long"] is None or measured["draft_step_c_long"] > 0
 
 
 def test_a_target_without_kept_features_is_refused(run, target):
