@@ -108,7 +108,7 @@ def test_trees_are_priced_by_their_nodes():
     # between measured positions along the line joining them
     assert chain.v(2.5) == pytest.approx(1.03)
     assert chain.tree(3, nodes=1.5).verify[:3] == pytest.approx((1.0, 1.03, 1.06))
-    policy = AdaptiveK(chain, tree_width=3, cut_trees=False)  # sampled rows: trees drafted whole
+    policy = AdaptiveK(chain, tree_width=3, sampling=True)  # sampled rows: trees drafted whole
     for _ in range(20):
         policy.update(0, 2, 1)  # half the depths accepted
     assert policy.next_k() == optimal_k(policy.gamma(0), 0.05, tree.verify, tree.k_max)
@@ -122,7 +122,7 @@ def test_cut_trees_are_priced_by_the_nodes_the_cut_keeps():
     narrow tree would pay for."""
     steep = costs(0.05, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8])  # +0.1 a position
     estimates = {0: AcceptanceEstimate(prior=0.5)}
-    whole = AdaptiveK(steep, dict(estimates), tree_width=8, cut_trees=False)
+    whole = AdaptiveK(steep, dict(estimates), tree_width=8, sampling=True)
     cut = AdaptiveK(steep, dict(estimates), tree_width=8)
     assert whole.next_k() == 0  # 8 nodes + root: v(9) = 1.8 for one depth
     assert cut.next_k() == optimal_k(0.5, 0.05, steep.tree(8, nodes=1).verify, 1) == 1

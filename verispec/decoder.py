@@ -130,9 +130,8 @@ class SpeculativeDecoder:
         """A fresh K policy for one request (with these params: the width of its trees)."""
         if self.k == "auto":
             params = params or SamplingParams()
-            # greedy rows' trees are cut before verifying (AdaptiveK.tree_size); sampled ones not
             return AdaptiveK(self.costs, tree_width=tree_width_of(self.drafter, params),
-                             cut_trees=params.greedy, sampling=not params.greedy)
+                             sampling=not params.greedy)
         if self.k == "heuristic":
             return HeuristicK(k=HEURISTIC_START_K)
         return FixedK(self.k)

@@ -18,7 +18,9 @@ from typing import Protocol
 import torch
 
 from verispec.params import SamplingParams
+from verispec.sampling import sample, warp
 from verispec.theory import optimal_k
+from verispec.verify import rejection_sample
 
 # Greedy rows of a feature draft propose token trees this wide by default (measured with the
 # shipped SmolLM2 draft on verispec's own prompts, widths 1-12: README "Token trees").
@@ -235,13 +237,13 @@ class AdaptiveK:
     # starting at 1): the tree's size is chosen each round from the promise (`tree_size`).
     calibration: AcceptanceEstimate = field(
         default_factory=lambda: AcceptanceEstimate(prior=1.0))
-    # Trees cut by `tree_size` before verifying (greedy rows) price a depth by the nodes the
-    # cut has been keeping per depth (starting as a chain: 1), not by the full width: where a
-    # wide pass is dear, the cut keeps few nodes, and drafting still pays as a narrow tree.
-    cut_trees: bool = True
-    kept: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior=1.0))
-    # A sampled row's: its drafted tokens cost CostModel.sampling_step more each.
+    # A sampled row's: its drafted tokens cost CostModel.sampling_step more each, and its
+    # trees are drafted whole (their shape is fixed before the draws), so a depth is priced by
+    # the tree's full width. A greedy row's trees are cut by `tree_size` before verifying: a
+    # depth is priced by the nodes the cut has been keeping per depth (`kept`, starting as a
+    # chain: 1), so where a wide pass is dear drafting still pays as a narrow tree.
     sampling: bool = False
+    kept: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior=1.0))
 
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
@@ -282,7 +284,7 @@ class AdaptiveK:
         """costs (at a context) for this policy's trees `width` wide, by depth."""
         # at least a chain's node: rounds the cut leaves empty verify nothing, but gamma is
         # learnt from the rounds that verified something
-        nodes = min(width, max(1.0, self.kept.gamma)) if self.cut_trees else width
+        nodes = width if self.sampling else min(width, max(1.0, self.kept.gamma))
         return costs.tree(width, nodes=nodes)
 
     def _best_k(self, gamma: float, width: int = 1, context: int = 0) -> int:
@@ -381,9 +383,6 @@ def sampled_verify_time(vocab_size: int, repeats: int) -> float:
     drawing from it (random logits; the times do not depend on them). A round of one token:
     the round's fixed part (the draw after the last position) is charged to its token, which
     overprices longer rounds a little, on the side of not drafting."""
-    from verispec.sampling import sample, warp
-    from verispec.verify import rejection_sample
-
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0)
     logits = torch.randn(2, vocab_size, generator=generator)  # [2, V]

@@ -101,7 +101,6 @@ class Linear:
         self.tiles = None  # [ceil(N/32), K/2, 32, 2]: the AMX kernel's layout
         self.tile_scales = torch.empty(0)  # [N] fp32 for int8 tiles
         cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-        self.bf16_on_cpu = cpu_bf16
         if int8 and not cpu_bf16:
             raise ValueError("int8 weights need bfloat16 activations on the CPU")
         self.kernels = kernels.load() if cpu_bf16 and weight.shape[1] % 32 == 0 else None
@@ -122,8 +121,9 @@ class Linear:
                 self.weight = None  # the packed copy replaces it
             except (RuntimeError, AttributeError):
                 self.packed = None
-        # Calls of fewer rows are padded to this many (see _fewest_rows).
-        self.min_rows = 1 if self.tiles is not None else _fewest_rows(self)
+        # Calls of fewer rows are padded to this many (see _fewest_rows); the kernel's rows
+        # are independent by construction, and there is no bitwise promise outside bf16.
+        self.min_rows = _fewest_rows(self) if cpu_bf16 and self.tiles is None else 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.min_rows:  # [M, K] -> [min_rows, K], zero rows after
@@ -153,9 +153,7 @@ def _fewest_rows(linear: Linear) -> int:
     wider batches; calls of fewer rows are then padded to it. Which kernel oneDNN picks can
     depend on the row count: on an AMD EPYC (Zen 5) a bf16 layer with K = 1536 rounds a lone
     row differently from 2..256 rows, which made a decode step and a verification pass disagree
-    on greedy tokens. 1 where the layer is not bfloat16 on the CPU (no bitwise promise)."""
-    if not linear.bf16_on_cpu:
-        return 1
+    on greedy tokens. For bf16 layers on the CPU outside verispec's kernels."""
     kind = "packed" if linear.packed is not None else "int8" if linear.scales is not None else "F"
     key = (kind, linear.out_features, linear.in_features, linear.bias is not None)
     if key not in _ROWS_PROBED:
