@@ -118,3 +118,22 @@ def test_the_shipped_draft_is_the_default_and_keeps_greedy_exact(smollm):
     assert accepted >= 20  # the draft alone: a fair share of its 3-token proposals pass
     hf = SpeculativeDecoder.from_pretrained(runtime="hf")  # no features there: lookup instead
     assert isinstance(hf.drafter, NgramDrafter)
+
+
+def test_streamed_text_equals_decoding_all_ids_with_smollm2s_tokenizer(smollm):
+    """Incremental decoding (verispec.text) against decoding everything at once, with
+    characters that span several tokens (emoji, CJK) and rounds of 1 to 3 tokens."""
+    from verispec.text import TextStream
+
+    _, tokenizer = smollm
+    text = ("Résumé: 漢字 and emoji 🙂🚀 in code `def f(x):\n    return x ** 2`  — done. "
+            "Ünïcödé ÆØÅ 𝔘 ")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    for size in (1, 2, 3):
+        stream, pieces = TextStream(tokenizer), []
+        for at in range(0, len(ids), size):
+            pieces.append(stream.add(ids[at:at + size]))
+            assert whole.startswith("".join(pieces))
+        pieces.append(stream.flush())
+        assert "".join(pieces) == whole == stream.text

@@ -15,6 +15,11 @@ class TextStream:
 
     Example: stop ("\\n\\n",), pieces "Hi", "!\\n", "\\nBye" -> yields "Hi", "!", then stops with
     text "Hi!".
+
+    Decoding is incremental: each round decodes only the ids since the last point where the text
+    ended on a whole character (with the ids before it as context, for tokenizers that drop a
+    leading space), so a long output costs the same per round as a short one (decoding all of
+    2,048 ids takes ~300 us with SmolLM2's tokenizer, a twentieth of a decode step).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: tuple[str, ...] = ()):
@@ -25,6 +30,9 @@ class TextStream:
         self.emitted = 0  # characters of self.text already returned by add()
         self.stopped = False
         self.num_tokens = 0
+        # self.text is decode(ids[:read]); ids[context:read] are decoded again with the new ones
+        self._context = 0
+        self._read = 0
 
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the text that is now final."""
@@ -35,7 +43,7 @@ class TextStream:
         self.num_tokens = len(self.ids)
         if self.tokenizer is None:
             return ""
-        self.text = self._decode(self.ids)
+        self._read_new(final=False)
         if self.stop:
             cut = self._find_stop(self.text)
             if cut is not None:
@@ -46,7 +54,20 @@ class TextStream:
 
     def flush(self) -> str:
         """At the end of generation: return whatever is still held back."""
+        if not self.stopped and self.tokenizer is not None:
+            self._read_new(final=True)
         return self._release(final=True)
+
+    def _read_new(self, final: bool) -> None:
+        """Append the text of the ids after `_read` once it ends on a whole character (an
+        incomplete one decodes as U+FFFD), or at the end whatever it is."""
+        if self._read == len(self.ids):
+            return
+        known = self._decode(self.ids[self._context:self._read])
+        text = self._decode(self.ids[self._context:])
+        if final or (len(text) > len(known) and not text.endswith("\ufffd")):
+            self.text += text[len(known):]
+            self._context, self._read = self._read, len(self.ids)
 
     def _release(self, final: bool) -> str:
         end = len(self.text)
