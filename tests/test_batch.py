@@ -224,3 +224,25 @@ def test_negative_control_always_accept_in_a_batch_is_detected(small_pair, monke
     assert 0.5 * (joint - native_joint(draft)).abs().sum() > 0.1
     monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
     assert chi2_pvalue(batched_counts(target, draft), joint) < 1e-6
+
+
+def test_batch_costs_time_drafting_the_way_the_scheduler_drafts(text_pair, tokenizer,
+                                                                 monkeypatch):
+    """A batch's draft step c is timed with the proposals the scheduler makes at that size:
+    chains where greedy rows do not draft trees (a tree's first step costs more)."""
+    import verispec.drafters.batch as batch_module
+    from verispec.scheduler import TREE_MAX_BATCH
+
+    asked = []
+    real = batch_module.propose_batch
+
+    def spy(*args, greedy_trees=True, **kwargs):
+        asked.append(greedy_trees)
+        return real(*args, greedy_trees=greedy_trees, **kwargs)
+
+    monkeypatch.setattr(batch_module, "propose_batch", spy)
+    decoder = decoder_for("hybrid", *text_pair, tokenizer, k="auto")
+    for size in (2, 4):
+        asked.clear()
+        decoder.batch_costs(size)
+        assert asked and set(asked) == {size <= TREE_MAX_BATCH}

@@ -31,6 +31,7 @@ from verispec.policy import (
 )
 from verispec.runtime import RUNTIMES, CachedModel, make_runner
 from verispec.sampling import make_generator
+from verispec.scheduler import TREE_MAX_BATCH, Scheduler
 from verispec.stats import GenerationStats, StatsRecorder
 from verispec.text import TextStream
 
@@ -114,7 +115,7 @@ class SpeculativeDecoder:
             return self.costs
         if size not in self._batch_costs:
             costs = measure_batch_costs(self.target, self.drafter, batch=size,
-                                        k_max=AUTO_K_MAX)
+                                        k_max=AUTO_K_MAX, greedy_trees=size <= TREE_MAX_BATCH)
             log.info("cost model at batch %d: c=%.3f, v(1..%d)=%s", size, costs.draft_step,
                      AUTO_K_MAX + 1, " ".join(f"{v:.2f}" for v in costs.verify))
             self._batch_costs[size] = costs
@@ -192,8 +193,6 @@ class SpeculativeDecoder:
 
     def _generate_batch(self, prompts: list[Prompt], params, chat: bool | None,
                         max_batch: int | None) -> list[GenerationOutput]:
-        from verispec.scheduler import Scheduler
-
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

@@ -396,11 +396,14 @@ def sampled_verify_time(vocab_size: int, repeats: int) -> float:
 
 
 def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
-                        repeats: int = 3, long_context: int = 1024) -> CostModel:
+                        repeats: int = 3, long_context: int = 1024,
+                        greedy_trees: bool = False) -> CostModel:
     """The cost model of a batch of `batch` sequences, in units of one plain batched step
     (every row one position): v(n) times a pass where every row has n positions, c one draft
     step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
-    Drafter (its forks draft the rows) or None."""
+    Drafter (its forks draft the rows) or None. greedy_trees: whether greedy rows draft token
+    trees at this batch size (as `propose_batch` takes it): c is timed drafting the same way
+    (a tree's first step costs ~1.35x a chain's at batch 4 and 16)."""
     from verispec.drafters.base import follow_target
     from verispec.drafters.batch import propose_batch
     from verispec.runtime import batched_logits
@@ -429,7 +432,8 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
         greedy = [SamplingParams()] * batch
 
         def draft_step() -> None:
-            propose_batch(drafters, histories, [1] * batch, greedy, [None] * batch)
+            propose_batch(drafters, histories, [1] * batch, greedy, [None] * batch,
+                          greedy_trees=greedy_trees)
 
         draft_step()
         draft_s = fastest([draft_step], repeats)[0]
