@@ -246,3 +246,24 @@ def test_batch_costs_time_drafting_the_way_the_scheduler_drafts(text_pair, token
         asked.clear()
         decoder.batch_costs(size)
         assert asked and set(asked) == {size <= TREE_MAX_BATCH}
+
+
+def test_a_batch_verifies_only_the_lookup_tokens_that_pay_for_every_row(text_pair, tokenizer,
+                                                                      monkeypatch):
+    """Under K "auto", a batch's chains are cut at the batch's prices (theory.batch_allocation):
+    where an extra position costs a whole step no lookup token is verified; where it is free,
+    lookups are verified; the outputs are the solo ones either way."""
+    from verispec.policy import CostModel
+
+    decoder = decoder_for("ngram", *text_pair, tokenizer, k="auto")
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    alone = [decoder.generate(p, params).token_ids for p in PROMPTS]
+    checked = {}
+    for name, slope in (("dear", 1.0), ("free", 0.0)):
+        verify = tuple(1.0 + slope * n for n in range(9))
+        monkeypatch.setattr(decoder, "batch_costs",
+                            lambda batch, v=verify: CostModel(0.0, v, 1e-3))
+        together = decoder.generate(PROMPTS, params)
+        assert [o.token_ids for o in together] == alone
+        checked[name] = sum(o.stats.checked for o in together)
+    assert checked["dear"] == 0 < checked["free"]

@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from verispec.theory import expected_speedup, expected_tokens, optimal_k, sampled_acceptance
+from verispec.theory import (
+    batch_allocation,
+    expected_speedup,
+    expected_tokens,
+    optimal_k,
+    sampled_acceptance,
+)
 from verispec.verify import rejection_sample
 
 
@@ -63,3 +69,27 @@ def test_sampled_acceptance_is_the_verifiers_acceptance_rate():
     # Negative control: a wrong formula (accepting x with probability p(x), the rate of a
     # deterministic draft: sum p q) is told apart from the measured rate.
     assert abs(rate - float((target * draft).sum())) > 0.05
+
+
+def test_batch_allocation_keeps_the_tokens_that_pay_for_the_whole_batch():
+    linear = lambda extra: 1 + 0.1 * extra  # noqa: E731
+    assert batch_allocation([[0.9, 0.8], [0.2]], linear) == [2, 0]  # the docstring's example
+    assert batch_allocation([[0.9, 0.8], [0.2]], lambda extra: 1.0) == [2, 1]  # free: all
+    assert batch_allocation([[0.9, 0.8], [0.2]], lambda extra: 1 + 10 * extra) == [0, 0]
+    assert batch_allocation([], linear) == [] and batch_allocation([[], []], linear) == [0, 0]
+    # 16 rows: one position costs 0.35 / 16 of a step (SmolLM2 at batch 16 on the AMD EPYC),
+    # so a token must be accepted with more than ~0.35 to be worth verifying, and one row's
+    # weak lookup is dropped where a lone row (row-share prices) would have verified it
+    batch16 = lambda extra: 1 + 0.35 * extra / 16  # noqa: E731
+    gains = [[0.8 ** (j + 1) for j in range(8)]] + [[0.3 ** (j + 1) for j in range(4)]] * 15
+    kept = batch_allocation(gains, batch16)
+    assert kept[0] == 4 and kept[1:] == [0] * 15  # 0.8^4 = 0.41 kept, 0.8^5 = 0.33 not
+    # brute force over every count per row agrees on a small case
+    gains = [[0.7, 0.49, 0.343], [0.5, 0.25], [0.9]]
+    steep = lambda extra: 1 + 0.04 * extra + 0.03 * extra ** 2  # noqa: E731
+    best = max(((a, b, c) for a in range(4) for b in range(3) for c in range(2)),
+               key=lambda n: (3 + sum(gains[0][:n[0]]) + sum(gains[1][:n[1]])
+                              + sum(gains[2][:n[2]])) / steep(sum(n)))
+    assert batch_allocation(gains, steep) == list(best)
+    with pytest.raises(ValueError, match="must not increase"):
+        batch_allocation([[0.2, 0.5]], linear)

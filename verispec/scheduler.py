@@ -17,8 +17,10 @@ the same seed).
 K for a round: with k="auto" the batch shares the K that maximises expected tokens per unit of
 time at this batch size (`theory.batch_optimal_k`, costs measured per batch size), shrinking to
 0 (plain batched decoding) when the bigger verification pass stops paying. Lookups cost nothing
-to propose: each row verifies as many of its lookup's tokens as pay for its own share of the
-bigger pass (`CostModel.row_share`).
+to propose: each row keeps as many of its lookup's tokens as pay for its own share of the
+bigger pass (`CostModel.row_share`), and then the batch cuts every row's chain to the tokens
+that pay for all the rows (`theory.batch_allocation`: a position in the pass costs every row
+its wait, so at batch 16 a token must be accepted with more than ~0.35 to be worth verifying).
 """
 
 from __future__ import annotations
@@ -29,17 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Drafter, follow_target
+from verispec.drafters.base import Draft, Drafter, follow_target
 from verispec.drafters.batch import propose_batch
 from verispec.drafters.hybrid import tree_width_of
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
-from verispec.policy import CHEAP_DRAFT, AdaptiveK
+from verispec.policy import CHEAP_DRAFT, AdaptiveK, CostModel
 from verispec.runtime import CachedModel, batched_logits
 from verispec.sampling import make_generator
 from verispec.stats import StatsRecorder
 from verispec.text import TextStream
-from verispec.theory import batch_optimal_k
+from verispec.theory import batch_allocation, batch_optimal_k
 
 # A batch speculates only when the model predicts at least this gain: at batch 4 a draft with
 # acceptance 0.23 was predicted +2% and measured -11% (lockstep drafting's bookkeeping).
@@ -133,6 +135,8 @@ class Scheduler:
                                [r.sequence.num_to_draft(free=True) for r in running],
                                [r.sequence.policy for r in running],
                                greedy_trees=greedy_trees)
+        if k is not None and self.decoder.drafter is not None and len(running) > 1:
+            drafts = self._allocate(running, drafts)  # "auto": cut at the batch's prices
         # 3. One target pass over every row's history + draft.
         rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
         logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
@@ -190,8 +194,7 @@ class Scheduler:
         policies = [r.sequence.policy for r in running]
         if not all(isinstance(p, AdaptiveK) for p in policies):
             return None
-        context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
-        costs = self.decoder.batch_costs(len(running)).at(context)  # priced at the mean length
+        costs = self._prices(running)
         row_costs = costs.row_share(len(running))
         row_widths = [tree_width_of(self.decoder.drafter, r.params)
                       if greedy_trees or not r.params.greedy else 1 for r in running]
@@ -207,6 +210,30 @@ class Scheduler:
         gammas = [policy.gamma(0) for policy in policies]
         return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max,
                                min_speedup=BATCH_MARGIN)
+
+    def _prices(self, running: list[_Request]) -> CostModel:
+        """This batch's cost model, priced at its rows' mean length."""
+        context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
+        return self.decoder.batch_costs(len(running)).at(context)
+
+    def _allocate(self, running: list[_Request], drafts: list[Draft]) -> list[Draft]:
+        """Every row's chain cut to what pays for the whole batch (`theory.batch_allocation`:
+        a token is verified while its chance of acceptance, gamma^j by its kind of proposal,
+        beats what its place in the pass costs all the rows). Trees are kept whole: their
+        size was priced when they were drafted."""
+        costs, rows = self._prices(running), len(running)
+        chain = [d.parents is None for d in drafts]
+        fixed = sum(len(d) for d, is_chain in zip(drafts, chain, strict=True) if not is_chain)
+        gains = []  # one list per row (every row emits a token: the rate's base)
+        for request, draft, is_chain in zip(running, drafts, chain, strict=True):
+            if not is_chain or not len(draft):
+                gains.append([])
+                continue
+            gamma = request.sequence.policy.gamma(draft.source)
+            gains.append([gamma ** (j + 1) for j in range(len(draft))])
+        kept = batch_allocation(gains, lambda extra: costs.v(1 + (fixed + extra) / rows))
+        return [d.truncated(count) if is_chain else d
+                for d, count, is_chain in zip(drafts, kept, chain, strict=True)]
 
     def _advance(self, request: _Request, new_ids: list[int]) -> Event:
         """Text for the round's tokens; finish the request on a stop string, EOS or budget."""
