@@ -56,6 +56,21 @@ def test_adaptive_k_is_zero_when_speculation_cannot_pay():
     assert policy.next_k() == 0
 
 
+def test_a_weak_drafts_estimate_settles_near_its_acceptance_and_it_stops_drafting():
+    """The prior's pull must not hold a weak draft's estimate above break-even: a draft model
+    accepted 21% of the time (K = 1 each round, so 1 in 5 rounds accepts) with c = 0.06 and
+    v(2) = 1.12 breaks even at gamma ~0.18; its estimate must settle close to 0.21, and K at 0
+    after a few rounds of K = 0 plus a retry."""
+    policy = AdaptiveK(costs(0.064, [1.0, 1.12, 1.12, 1.35]))
+    estimates = []
+    for round in range(200):
+        policy.update(0, 1, int(round % 5 == 0))  # one accepted in five
+        estimates.append(policy.gamma())
+    settled = sum(estimates[100:]) / 100
+    assert abs(settled - 0.2) < 0.035  # (at prior weight 2 it sat at ~0.27)
+    assert optimal_k(0.2, 0.064 + 0.05, [1.0, 1.12]) == 0  # with a round's bookkeeping: a loss
+
+
 def test_adaptive_k_probes_again_after_a_bad_patch():
     policy = AdaptiveK(costs(0.02, [1.0, 1.3, 1.5, 1.7, 1.9]))
     for _ in range(20):
