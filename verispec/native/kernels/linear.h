@@ -80,12 +80,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void block_produ
   _tile_release();
 }
 
-// The same product without AMX: rows in register blocks of R, each step multiplying one pair
-// of K by the block's 32 x 2 weights with VDPBF16PS. A row keeps SPLIT partial sums per 16
-// features (pair p goes to sum p % SPLIT; added in a fixed tree at the end) so that even a lone
-// row has independent chains enough to hide the instruction's latency. A row's sums run in the
-// same order whatever R is, so its bits do not depend on the other rows.
-constexpr int SPLIT = 4;  // the fixed tree in vector_rows adds four
+// The same product without AMX: rows in register blocks of R (up to VECTOR_ROWS), each step
+// multiplying one pair of K by the block's 32 x 2 weights with VDPBF16PS. A row keeps SPLIT
+// partial sums per 16 features (pair p goes to sum p % SPLIT; added at the end) so that even a
+// lone row has four independent chains; R x SPLIT x 2 accumulators must fit in 32 registers
+// with the weights. SPLIT 2 with R up to 6 against SPLIT 4 with R up to 3 (SmolLM2's linear
+// layers, rows against one row, on an AMD EPYC): 4 rows 1.19-1.23 -> 1.06-1.11, 6 rows
+// 1.18-1.30 -> 1.07-1.16, 16 rows 1.21-1.23 -> 1.11-1.15, one row no slower. A row's sums run
+// in the same order whatever R is, so its bits do not depend on the other rows.
+constexpr int SPLIT = 2;  // the sums in vector_rows add two
 
 // `ahead` [ahead_lines of 64 bytes]: memory to prefetch into L2 meanwhile, spread over K (the
 // thread's next weight block, or this pass's share of it): a wide call multiplies each block
@@ -125,12 +128,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vect
       }
     }
   }
-  static_assert(SPLIT == 4, "the sums below are added as a tree of four");
+  static_assert(SPLIT == 2, "the sums below add two");
   for (int r = 0; r < R; r++)
     for (int half = 0; half < 2; half++)
       _mm512_storeu_ps(out + r * BLOCK + 16 * half,
-                       _mm512_add_ps(_mm512_add_ps(acc[r][0][half], acc[r][1][half]),
-                                     _mm512_add_ps(acc[r][2][half], acc[r][3][half])));
+                       _mm512_add_ps(acc[r][0][half], acc[r][1][half]));
 }
 
 // next: the next block this thread multiplies (prefetched meanwhile), or null. int8 weights
@@ -155,7 +157,10 @@ void block_product_vector(const bf16* x, int64_t rows, int64_t k, const void* bl
     switch (std::min(VECTOR_ROWS, rows - row)) {
       case 1: vector_rows<1>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
       case 2: vector_rows<2>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
-      default: vector_rows<3>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
+      case 3: vector_rows<3>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
+      case 4: vector_rows<4>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
+      case 5: vector_rows<5>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
+      default: vector_rows<6>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
     }
     if (keep) block = keep, int8 = false, keep = nullptr;  // later passes: the widened copy
   }
