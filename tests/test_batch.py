@@ -190,11 +190,19 @@ def native_joint(model) -> torch.Tensor:
     return (first.unsqueeze(1) * second).double()
 
 
-def batched_counts(target, draft) -> torch.Tensor:
+def batched_counts(target, draft, k: int | str = 3) -> torch.Tensor:
     """First two tokens of the measured request, ROWS_PER_BATCH copies (own seeds) per batch,
-    mixed with greedy, top-k and longer requests on other prompts."""
+    mixed with greedy, top-k and longer requests on other prompts. k="auto" runs on fixed
+    prices where drafting pays and each row's chain is cut at the batch's prices
+    (`Scheduler._allocate`), by acceptance estimates that change from round to round."""
     decoder = SpeculativeDecoder(target, None, ModelDrafter(make_runner(draft, "native"), V),
-                                 k=3, runtime="native")
+                                 k=k, runtime="native")
+    if k == "auto":
+        from verispec.policy import CostModel
+
+        prices = CostModel(0.0, (1.0, 1.25, 1.35, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1), 1e-3)
+        decoder._costs = prices
+        decoder.batch_costs = lambda batch: prices
     counts = torch.zeros(V, V, dtype=torch.float64)
     others = [([4, 5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True)),
               ([7, 7, 1, 2], SamplingParams(max_new_tokens=5, temperature=0.7, top_k=3, seed=9,
@@ -213,9 +221,10 @@ def batched_counts(target, draft) -> torch.Tensor:
     return counts
 
 
-def test_a_sampled_row_in_a_mixed_batch_has_the_targets_law(small_pair):
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_a_sampled_row_in_a_mixed_batch_has_the_targets_law(small_pair, k):
     target, draft = small_pair
-    assert chi2_pvalue(batched_counts(target, draft), native_joint(target)) > 1e-3
+    assert chi2_pvalue(batched_counts(target, draft, k), native_joint(target)) > 1e-3
 
 
 def test_negative_control_always_accept_in_a_batch_is_detected(small_pair, monkeypatch):
@@ -224,6 +233,7 @@ def test_negative_control_always_accept_in_a_batch_is_detected(small_pair, monke
     assert 0.5 * (joint - native_joint(draft)).abs().sum() > 0.1
     monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
     assert chi2_pvalue(batched_counts(target, draft), joint) < 1e-6
+    assert chi2_pvalue(batched_counts(target, draft, "auto"), joint) < 1e-6  # drafts are verified
 
 
 def test_batch_costs_time_drafting_the_way_the_scheduler_drafts(text_pair, tokenizer,
