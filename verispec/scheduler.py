@@ -127,7 +127,8 @@ class Scheduler:
         # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes),
         #    a lookup up to its policy's free K.
         greedy_trees = len(running) <= TREE_MAX_BATCH
-        k = self._round_k(running, greedy_trees)
+        prices = self._prices(running)
+        k = 0 if self.decoder.drafter is None else self._round_k(running, greedy_trees, prices)
         drafts = propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
                                [r.sequence.num_to_draft(k) for r in running],
                                [r.params for r in running],
@@ -135,8 +136,8 @@ class Scheduler:
                                [r.sequence.num_to_draft(free=True) for r in running],
                                [r.sequence.policy for r in running],
                                greedy_trees=greedy_trees)
-        if k is not None and self.decoder.drafter is not None and len(running) > 1:
-            drafts = self._allocate(running, drafts)  # "auto": cut at the batch's prices
+        if prices is not None and len(running) > 1:
+            drafts = self._allocate(running, drafts, prices)  # cut at the batch's prices
         # 3. One target pass over every row's history + draft.
         rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
         logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
@@ -183,18 +184,16 @@ class Scheduler:
         if request.drafter is not None:
             self._free_drafters.append(request.drafter)
 
-    def _round_k(self, running: list[_Request], greedy_trees: bool) -> int | None:
-        """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic);
-        under "auto" the batch shares one K priced at its batch size (a tree's depth, priced by
-        its tokens, where rows draft trees: sampled rows, and greedy ones if greedy_trees),
-        and each row's policy is given the batch's prices for its own cut of free proposals
-        (lookups) and of its tree."""
-        if self.decoder.drafter is None:
-            return 0
-        policies = [r.sequence.policy for r in running]
-        if not all(isinstance(p, AdaptiveK) for p in policies):
+    def _round_k(self, running: list[_Request], greedy_trees: bool,
+                 costs: CostModel | None) -> int | None:
+        """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic:
+        no prices); under "auto" the batch shares one K priced at its batch size (a tree's
+        depth, priced by its tokens, where rows draft trees: sampled rows, and greedy ones if
+        greedy_trees), and each row's policy is given the batch's prices for its own cut of
+        free proposals (lookups) and of its tree."""
+        if costs is None:
             return None
-        costs = self._prices(running)
+        policies = [r.sequence.policy for r in running]
         row_costs = costs.row_share(len(running))
         row_widths = [tree_width_of(self.decoder.drafter, r.params)
                       if greedy_trees or not r.params.greedy else 1 for r in running]
@@ -211,17 +210,22 @@ class Scheduler:
         return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max,
                                min_speedup=BATCH_MARGIN)
 
-    def _prices(self, running: list[_Request]) -> CostModel:
-        """This batch's cost model, priced at its rows' mean length."""
+    def _prices(self, running: list[_Request]) -> CostModel | None:
+        """This batch's cost model, priced at its rows' mean length, where K is "auto" (every
+        row's policy adaptive) and there is a drafter; else None."""
+        if self.decoder.drafter is None or not all(
+                isinstance(r.sequence.policy, AdaptiveK) for r in running):
+            return None
         context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
         return self.decoder.batch_costs(len(running)).at(context)
 
-    def _allocate(self, running: list[_Request], drafts: list[Draft]) -> list[Draft]:
+    def _allocate(self, running: list[_Request], drafts: list[Draft],
+                  costs: CostModel) -> list[Draft]:
         """Every row's chain cut to what pays for the whole batch (`theory.batch_allocation`:
         a token is verified while its chance of acceptance, gamma^j by its kind of proposal,
         beats what its place in the pass costs all the rows). Trees are kept whole: their
         size was priced when they were drafted."""
-        costs, rows = self._prices(running), len(running)
+        rows = len(running)
         chain = [d.parents is None for d in drafts]
         fixed = sum(len(d) for d, is_chain in zip(drafts, chain, strict=True) if not is_chain)
         gains = []  # one list per row (every row emits a token: the rate's base)

@@ -23,7 +23,6 @@ constexpr int64_t BLOCK = 32;  // output features per packed weight block (two A
 constexpr int64_t TILE_K = 32;  // bf16 values of K per AMX tile row
 constexpr int64_t TILE_M = 16;  // rows per AMX tile
 constexpr int64_t MAX_HEAD_DIM = 256;
-constexpr int64_t VECTOR_ROWS = 6;  // rows per register block on the AVX512-BF16 path
 
 // Which products run: AMX tiles where the CPU has them and the OS grants them (enable()), else
 // AVX512-BF16. Set once when the module loads, before any weights are used.

@@ -89,6 +89,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void block_produ
 // 1.18-1.30 -> 1.07-1.16, 16 rows 1.21-1.23 -> 1.11-1.15, one row no slower. A row's sums run
 // in the same order whatever R is, so its bits do not depend on the other rows.
 constexpr int SPLIT = 2;  // the sums in vector_rows add two
+constexpr int64_t VECTOR_ROWS = 6;  // rows per register block (block_product_vector's cases)
+static_assert(VECTOR_ROWS * SPLIT * 2 + 3 <= 32,
+              "the accumulators, two weight vectors and a broadcast fit AVX-512's 32 registers");
 
 // `ahead` [ahead_lines of 64 bytes]: memory to prefetch into L2 meanwhile, spread over K (the
 // thread's next weight block, or this pass's share of it): a wide call multiplies each block
@@ -154,6 +157,7 @@ void block_product_vector(const bf16* x, int64_t rows, int64_t k, const void* bl
     float* into = out + row * BLOCK;
     const char* ahead = next ? static_cast<const char*>(next) + pass * share * 64 : nullptr;
     const int64_t ahead_lines = std::min(share, lines - pass * share);
+    static_assert(VECTOR_ROWS == 6, "one case below per register block size");
     switch (std::min(VECTOR_ROWS, rows - row)) {
       case 1: vector_rows<1>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
       case 2: vector_rows<2>(at, k, block, int8, into, ahead, ahead_lines, keep); break;
