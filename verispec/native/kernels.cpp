@@ -8,11 +8,12 @@
 //
 // Batch invariance by construction: every output element is computed by one thread in an order
 // that depends only on its own inputs, never on how many positions or rows the pass holds.
-//   - linear: AMX tiles of up to 16 rows, or AVX-512 registers of up to 3; a row's dot products
+//   - linear: AMX tiles of up to 16 rows, or AVX-512 registers of up to 6; a row's dot products
 //     run over K in the same order whatever the other rows are (rows do not interact);
 //   - attention in short passes (decode, verification): each query over exactly its own keys
-//     0..p; its scores come from AMX tiles in which no score depends on another query or key,
-//     its softmax and weighted sum run in key order (attend_group; attend_one without AMX);
+//     0..p; no score depends on another query (AMX tiles, or the same VDPBF16PS sums whether
+//     a block of keys is transposed for many queries or not), its softmax and weighted sum run
+//     in key order (attend_group on AMX, attend_queries without);
 //   - norms, rotary, SwiGLU: elementwise or per row.
 // So a position's logits are the same bits in a pass of 1, K+1 or many positions and rows
 // (tests/test_kernels.py checks it), and speculative greedy equals plain greedy. Prompt passes
@@ -162,7 +163,6 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   };
   std::vector<Row> rows;
   std::vector<int64_t> positions;  // [N]: each new slot's position in its sequence
-  std::vector<int64_t> owner;      // [N]: its row
   int64_t offset = 0;
   for (size_t r = 0; r < starts.size(); r++) {
     TORCH_CHECK(keys[r].is_contiguous() && values[r].is_contiguous());
@@ -180,7 +180,6 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
         TORCH_CHECK(slot >= base && slot < starts[r] + lengths[r], "path slot out of the tree");
       }
       positions.push_back(depth ? base - 1 + depth : starts[r] + t);
-      owner.push_back(int64_t(r));
     }
     offset += lengths[r];
   }
@@ -203,18 +202,17 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   const float scale = 1.0f / std::sqrt(float(d));
   int64_t longest = 0;
   for (int64_t p : positions) longest = std::max(longest, p + 1);
-  std::vector<int64_t> short_queries;  // the positions of short passes
-  for (const Row& row : rows)
-    if (row.length <= short_pass)
-      for (int64_t t = 0; t < row.length; t++) short_queries.push_back(row.offset + t);
   // The same queries by KV head, in groups of up to 16 (member = t * group + head in group).
   const int64_t group = shape.heads / shape.kv_heads;
   std::vector<QueryGroup> groups;
   for (size_t r = 0; r < rows.size(); r++) {
     if (rows[r].length > short_pass) continue;
     const int64_t members = rows[r].length * group;
-    // One query head per task for a lone decode row (work for both threads), else up to 16.
-    const int64_t size = rows.size() == 1 && rows[r].length == 1 ? 1 : TILE_M;
+    // One query head per task for a lone decode row (work for both threads), else up to 16:
+    // AMX tiles of 16, or on AVX-512 (any size) as even as they go.
+    const int64_t tasks = (members + TILE_M - 1) / TILE_M;
+    const int64_t size = rows.size() == 1 && rows[r].length == 1 ? 1
+                         : use_amx && d % TILE_K == 0 ? TILE_M : (members + tasks - 1) / tasks;
     for (int64_t kv_head = 0; kv_head < shape.kv_heads; kv_head++)
       for (int64_t first = 0; first < members; first += size)
         groups.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});
@@ -255,73 +253,49 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
         }
       }
     }
-    // 3. Attention. Short passes (decode, verification): one (position, head) per task, each
-    // over exactly its own keys. Prompt passes: torch's fused causal kernel, row by row.
-    if (use_amx && d % TILE_K == 0) {
-      // Tasks of up to 16 queries that share a KV head: a decode step's query heads one by
-      // one (more tasks for the threads), a verification pass's positions and heads together.
-      const auto attend_task = [&](int64_t task, GroupScratch& s) {
-        const QueryGroup& g = groups[task];
-        const Row& row = rows[g.row];
-        const int64_t base = (int64_t(layer) * shape.kv_heads + g.kv_head) * row.capacity * d;
-        // A tree's nodes read their keys from the 32-key block holding slot base on in
-        // their own staged copies (one per node, shared by its query heads).
-        const int64_t tail_start = row.tree_base < 0 ? INT64_MAX : row.tree_base / 32 * 32;
-        const int64_t tail_rows = row.tree_base < 0 ? 0
-            : (row.start + row.length - tail_start + 31) / 32 * 32;
-        const int64_t nodes = (g.last - 1) / group - g.first / group + 1;
-        if (tail_rows) s.tails.resize(2 * nodes * tail_rows * d);
-        s.queries.clear();
-        for (int64_t member = g.first; member < g.last; member++) {
-          const int64_t t = member / group, head = g.kv_head * group + member % group;
-          const int64_t i = row.offset + t;
-          Query query{qkv + i * qkv_width + head * d, positions[i] + 1,
-                      attended + i * q_width + head * d};
-          if (path_length(i)) {
-            bf16* tail = s.tails.data() + 2 * (t - g.first / group) * tail_rows * d;
-            if (member % group == 0 || member == g.first) {
-              const int64_t* path = path_slots.data() + path_offsets[i];
-              stage_path(row.keys + base, row.tree_base, path, path_length(i), tail_start,
-                         tail_rows, d, tail);
-              stage_path(row.values + base, row.tree_base, path, path_length(i), tail_start,
-                         tail_rows, d, tail + tail_rows * d);
-            }
-            query.tail_keys = tail, query.tail_values = tail + tail_rows * d;
-            query.tail_rows = tail_rows;
+    // 3. Attention. Short passes (decode, verification): tasks of queries that share a KV head,
+    // each over exactly its own keys. Prompt passes: torch's fused causal kernel, row by row.
+    const bool amx = use_amx && d % TILE_K == 0;
+    const auto attend_task = [&](int64_t task, GroupScratch& s) {
+      const QueryGroup& g = groups[task];
+      const Row& row = rows[g.row];
+      const int64_t base = (int64_t(layer) * shape.kv_heads + g.kv_head) * row.capacity * d;
+      // A tree's nodes read their keys from the 32-key block holding slot base on in their
+      // own staged copies (one per node, shared by its query heads).
+      const int64_t tail_start = row.tree_base < 0 ? INT64_MAX : row.tree_base / 32 * 32;
+      const int64_t tail_rows = row.tree_base < 0 ? 0
+          : (row.start + row.length - tail_start + 31) / 32 * 32;
+      const int64_t nodes = (g.last - 1) / group - g.first / group + 1;
+      if (tail_rows) s.tails.resize(2 * nodes * tail_rows * d);
+      s.queries.clear();
+      for (int64_t member = g.first; member < g.last; member++) {
+        const int64_t t = member / group, head = g.kv_head * group + member % group;
+        const int64_t i = row.offset + t;
+        Query query{qkv + i * qkv_width + head * d, positions[i] + 1,
+                    attended + i * q_width + head * d};
+        if (path_length(i)) {
+          bf16* tail = s.tails.data() + 2 * (t - g.first / group) * tail_rows * d;
+          if (member % group == 0 || member == g.first) {
+            const int64_t* path = path_slots.data() + path_offsets[i];
+            stage_path(row.keys + base, row.tree_base, path, path_length(i), tail_start,
+                       tail_rows, d, tail);
+            stage_path(row.values + base, row.tree_base, path, path_length(i), tail_start,
+                       tail_rows, d, tail + tail_rows * d);
           }
-          s.queries.push_back(query);
+          query.tail_keys = tail, query.tail_values = tail + tail_rows * d;
+          query.tail_rows = tail_rows;
         }
+        s.queries.push_back(query);
+      }
+      if (amx)
         attend_group(s.queries.data(), int64_t(s.queries.size()), row.keys + base,
                      row.values + base, row.capacity, d, scale, s.scores, s.weights,
                      tail_start);
-      };
-      parallel_tasks<GroupScratch>(int64_t(groups.size()), balance, attend_task);
-    } else {
-      const auto attend_task = [&](int64_t task, GroupScratch& s) {
-        s.scores.resize(longest + 16);
-        const int64_t i = short_queries[task / shape.heads], head = task % shape.heads;
-        const Row& row = rows[owner[i]];
-        const int64_t base = (int64_t(layer) * shape.kv_heads + head / group) * row.capacity * d;
-        const bf16 *keys_of = row.keys + base, *values_of = row.values + base;
-        int64_t tail_start = INT64_MAX;
-        if (path_length(i)) {  // a tree node: its path's keys and values after the prefix
-          const int64_t length = path_length(i);
-          s.tails.resize(2 * length * d);
-          const int64_t* path = path_slots.data() + path_offsets[i];
-          stage_path(keys_of, row.tree_base, path, length, row.tree_base, length, d,
-                     s.tails.data());
-          stage_path(values_of, row.tree_base, path, length, row.tree_base, length, d,
-                     s.tails.data() + length * d);
-          tail_start = row.tree_base;
-        }
-        s.weights.resize(longest + 16);
-        attend_one(qkv + i * qkv_width + head * d, keys_of, values_of, positions[i] + 1, d,
-                   scale, s.scores.data(), s.weights.data(), attended + i * q_width + head * d,
-                   tail_start, s.tails.data(), s.tails.data() + path_length(i) * d);
-      };
-      parallel_tasks<GroupScratch>(int64_t(short_queries.size()) * shape.heads, balance,
-                                   attend_task);
-    }
+      else
+        attend_queries(s.queries.data(), int64_t(s.queries.size()), row.keys + base,
+                       row.values + base, d, scale, s.scores, s.weights, tail_start);
+    };
+    parallel_tasks<GroupScratch>(int64_t(groups.size()), balance, attend_task);
     for (const Row& row : rows)
       if (row.length > short_pass) attend_prompt(row, layer, shape, qkv, qkv_width, attended);
     // 4. Output projection onto the residual stream.
