@@ -344,6 +344,45 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
+// The AVX512-BF16 path's attention alone (tests): queries [M, d] over keys and values [C, d]
+// bfloat16, query m over keys 0..counts[m]-1; together: all M in one call (as the queries of a
+// KV head in a pass), else one call a query (as a lone decode step's). -> (out [M, d] bfloat16,
+// the softmax's numerators exp(score - max) [M, C] fp32, zero past a query's keys: where a
+// different order of the score sums shows, which the bf16 outputs mostly round away).
+std::vector<torch::Tensor> attend(const torch::Tensor& queries, const torch::Tensor& keys,
+                                  const torch::Tensor& values,
+                                  const std::vector<int64_t>& counts, bool together) {
+  TORCH_CHECK(queries.dim() == 2 && keys.dim() == 2 && values.sizes() == keys.sizes());
+  TORCH_CHECK(queries.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+              values.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(queries.is_contiguous() && keys.is_contiguous() && values.is_contiguous());
+  const int64_t m = queries.size(0), d = queries.size(1), c = keys.size(0);
+  TORCH_CHECK(keys.size(1) == d && int64_t(counts.size()) == m && d % 2 == 0 &&
+              d <= MAX_HEAD_DIM);
+  for (int64_t count : counts) TORCH_CHECK(count >= 1 && count <= c);
+  auto out = torch::empty({m, d}, queries.options());
+  auto numerators = torch::zeros({m, c}, torch::TensorOptions().dtype(at::kFloat));
+  const auto* q = reinterpret_cast<const bf16*>(queries.data_ptr());
+  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
+  std::vector<Query> all;
+  for (int64_t i = 0; i < m; i++) all.push_back({q + i * d, counts[i], o + i * d});
+  std::vector<float> scores;
+  std::vector<bf16> weights;
+  const float scale = 1.0f / std::sqrt(float(d));
+  const auto* k = reinterpret_cast<const bf16*>(keys.data_ptr());
+  const auto* v = reinterpret_cast<const bf16*>(values.data_ptr());
+  for (int64_t first = 0; first < m; first += together ? m : 1) {
+    const int64_t size = together ? m : 1;
+    attend_queries(all.data() + first, size, k, v, d, scale, scores, weights);
+    int64_t longest = 0;  // the kernel's scores: [size, longest rounded up to 16]
+    for (int64_t i = first; i < first + size; i++) longest = std::max(longest, counts[i]);
+    for (int64_t i = first; i < first + size; i++)
+      std::memcpy(numerators.data_ptr<float>() + i * c,
+                  scores.data() + (i - first) * ((longest + 15) / 16 * 16), counts[i] * 4);
+  }
+  return {out, numerators};
+}
+
 // Which instruction set the products run on: "amx" (a CPU with AMX bf16 whose OS lets this
 // process use the tiles), "avx512-bf16", or "" (neither: the kernels cannot run here).
 // allow_amx false keeps AMX off where it exists (to compare the paths).
@@ -363,4 +402,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("linear", &linear);
   m.def("forward_layers", &forward_layers);
+  m.def("attend", &attend);
 }
