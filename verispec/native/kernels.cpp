@@ -8,7 +8,7 @@
 //
 // Batch invariance by construction: every output element is computed by one thread in an order
 // that depends only on its own inputs, never on how many positions or rows the pass holds.
-//   - linear: AMX tiles of up to 16 rows, or AVX-512 registers of up to 6; a row's dot products
+//   - linear: AMX tiles of up to 16 rows, or AVX-512 registers of up to 7; a row's dot products
 //     run over K in the same order whatever the other rows are (rows do not interact);
 //   - attention in short passes (decode, verification): each query over exactly its own keys
 //     0..p; no score depends on another query (AMX tiles, or the same VDPBF16PS sums whether
