@@ -121,8 +121,8 @@ __attribute__((target("avx512f,avx512bf16"), always_inline)) inline void add_pai
 // values there (a tree node's path). Scores: bf16 products summed in fp32 with VDPBF16PS; the
 // softmax's numerators rounded to bf16 as the weights (as the AMX path does); the weighted sum
 // of values over pairs of keys in key order. d even. CHUNKS > 0: d is exactly 32 CHUNKS, known
-// when compiling (loops over d unrolled, their vectors kept in registers; attend_one picks it);
-// 0: any even d, masked.
+// when compiling (loops over d unrolled, their vectors kept in registers; attend_queries picks
+// it); 0: any even d, masked.
 //
 // A query gets the same bits whichever queries share the call: per key, lane i of a vector sums
 // pair i of the dimensions (and pair 16 + i, ... in later chunks), then a fixed tree sums the 16
