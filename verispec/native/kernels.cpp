@@ -200,8 +200,6 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   const bf16* cos_table = reinterpret_cast<const bf16*>(cos.data_ptr());
   const bf16* sin_table = reinterpret_cast<const bf16*>(sin.data_ptr());
   const float scale = 1.0f / std::sqrt(float(d));
-  int64_t longest = 0;
-  for (int64_t p : positions) longest = std::max(longest, p + 1);
   // The same queries by KV head, in groups of up to 16 (member = t * group + head in group).
   const int64_t group = shape.heads / shape.kv_heads;
   std::vector<QueryGroup> groups;
@@ -374,11 +372,11 @@ std::vector<torch::Tensor> attend(const torch::Tensor& queries, const torch::Ten
   for (int64_t first = 0; first < m; first += together ? m : 1) {
     const int64_t size = together ? m : 1;
     attend_queries(all.data() + first, size, k, v, d, scale, scores, weights);
-    int64_t longest = 0;  // the kernel's scores: [size, longest rounded up to 16]
+    int64_t longest = 0;  // the kernel's scores: [size, score_stride(longest)]
     for (int64_t i = first; i < first + size; i++) longest = std::max(longest, counts[i]);
     for (int64_t i = first; i < first + size; i++)
       std::memcpy(numerators.data_ptr<float>() + i * c,
-                  scores.data() + (i - first) * ((longest + 15) / 16 * 16), counts[i] * 4);
+                  scores.data() + (i - first) * score_stride(longest), counts[i] * 4);
   }
   return {out, numerators};
 }

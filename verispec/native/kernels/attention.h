@@ -99,6 +99,21 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i* r) {
   }
 }
 
+// The permutations that interleave two value rows a, b in pairs of keys: with low, lane i of
+// the first 16 dimensions gets (a[i], b[i]); with high, of the next 16.
+__attribute__((target("avx512f"))) inline void pair_indices(__m512i& low, __m512i& high) {
+  alignas(64) uint16_t index[64];
+  for (int i = 0; i < 16; i++) {
+    index[2 * i] = uint16_t(i), index[2 * i + 1] = uint16_t(32 + i);
+    index[32 + 2 * i] = uint16_t(16 + i), index[32 + 2 * i + 1] = uint16_t(48 + i);
+  }
+  low = _mm512_load_si512(index);
+  high = _mm512_load_si512(index + 32);
+}
+
+// The scores row of a query among queries over up to `longest` keys: whole blocks of 16.
+inline int64_t score_stride(int64_t longest) { return (longest + 15) / 16 * 16; }
+
 // Pair p (dimensions 2p, 2p + 1) of a bf16 vector in every lane.
 __attribute__((target("avx512f,avx512bf16"))) inline __m512bh broadcast_pair(const bf16* v,
                                                                          int64_t p) {
@@ -244,12 +259,8 @@ struct QueryKernel {
       int64_t first, const bf16* weights, int64_t padded, const float* norms) const {
     constexpr int64_t S = SIDE_BY_SIDE;
     const int64_t width = CHUNKS > 0 ? 2 * CHUNKS : 2 * chunks;
-    alignas(64) uint16_t index[64];
-    for (int i = 0; i < 16; i++) {
-      index[2 * i] = uint16_t(i), index[2 * i + 1] = uint16_t(32 + i);
-      index[32 + 2 * i] = uint16_t(16 + i), index[32 + 2 * i + 1] = uint16_t(48 + i);
-    }
-    const __m512i low = _mm512_load_si512(index), high = _mm512_load_si512(index + 32);
+    __m512i low, high;
+    pair_indices(low, high);
     int64_t counts[S], fewest = INT64_MAX, most = 0;
     for (int64_t s = 0; s < S; s++) {
       counts[s] = first + s < count ? queries[first + s].count : 0;
@@ -296,7 +307,7 @@ struct QueryKernel {
     }
     int64_t longest = 0;
     for (int64_t m = 0; m < count; m++) longest = std::max(longest, queries[m].count);
-    const int64_t stride = (longest + 15) / 16 * 16, padded = stride + 16;
+    const int64_t stride = score_stride(longest), padded = stride + 16;
     if (int64_t(scores.size()) < count * stride) scores.resize(count * stride);
     if (int64_t(weights.size()) < count * padded) weights.resize(count * padded);
     score_all(longest, stride, scale, scores.data());
@@ -399,7 +410,7 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
   };
   int64_t longest = 0;
   for (int64_t c = 0; c < count; c++) longest = std::max(longest, queries[c].count);
-  const int64_t stride = (longest + 15) / 16 * 16;  // scores row per query
+  const int64_t stride = score_stride(longest);  // scores row per query
   if (int64_t(scores.size()) < TILE_M * stride) scores.resize(TILE_M * stride);
   // 1. The queries as B tiles: [d/2 pairs][16 queries][2], zero columns past `count`.
   alignas(64) bf16 tiled[MAX_HEAD_DIM / 2 * TILE_M * 2] = {};
@@ -460,16 +471,8 @@ attend_group(const Query* queries, int64_t count, const bf16* keys, const bf16* 
   alignas(64) bf16 pairs[16 * MAX_HEAD_DIM * 2];  // [16 key pairs][d][2]
   alignas(64) float sums[TILE_M * MAX_HEAD_DIM];
   alignas(64) bf16 own_weights[TILE_M * 32];
-  __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
-  {
-    alignas(64) uint16_t index[64];
-    for (int i = 0; i < 16; i++) {
-      index[2 * i] = uint16_t(i), index[2 * i + 1] = uint16_t(32 + i);
-      index[32 + 2 * i] = uint16_t(16 + i), index[32 + 2 * i + 1] = uint16_t(48 + i);
-    }
-    low = _mm512_load_si512(index);
-    high = _mm512_load_si512(index + 32);
-  }
+  __m512i low, high;
+  pair_indices(low, high);
   for (int64_t columns = 0; columns < d; columns += 64) {  // up to 4 C tiles at a time
     const int64_t tiles = std::min<int64_t>(4, (d - columns) / 16);
     load_tile_config(config);
