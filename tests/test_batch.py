@@ -15,9 +15,9 @@ from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.drafters.batch import propose_batch
-from verispec.native import NativeCachedModel, NativeLlama
-from verispec.native.llama import RowPass
 from verispec.runtime import make_runner
+from verispec.runtime.native import NativeLlama, NativeRunner
+from verispec.runtime.native.llama import RowPass
 from verispec.sampling import warp
 from verispec.scheduler import Scheduler
 
@@ -183,7 +183,7 @@ def small_pair():
 
 def native_joint(model) -> torch.Tensor:
     """p(t1, t2) [V, V] of the native bf16 runtime itself (the probabilities the engine uses)."""
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16))
     first = warp(runner.logits(torch.tensor(PROMPT), 1)[0], PARAMS)  # [V]
     second = torch.stack([warp(runner.logits(torch.tensor(PROMPT + [t]), 1)[0], PARAMS)
                           for t in range(V)])  # [V, V]

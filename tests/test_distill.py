@@ -82,7 +82,7 @@ def test_data_shards_are_written(run, config):
 
 def test_shards_keep_the_native_targets_features_of_every_position(run, config, target):
     from verispec.distill.feature import target_features
-    from verispec.native.llama import NativeLlama
+    from verispec.runtime.native.llama import NativeLlama
 
     model, _ = target
     native = NativeLlama.from_hf(model, torch.bfloat16)

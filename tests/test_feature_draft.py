@@ -23,8 +23,8 @@ from verispec.distill.feature import FeatureHead, FrozenHead, is_feature_draft
 from verispec.drafters import HybridDrafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.errors import IncompatibleDraftError
-from verispec.native import NativeCachedModel, NativeLlama
-from verispec.native.llama import LlamaShape
+from verispec.runtime.native import NativeLlama, NativeRunner
+from verispec.runtime.native.llama import LlamaShape
 from verispec.sampling import warp
 
 VOCAB = EOS_ID + 1
@@ -204,7 +204,7 @@ def test_the_first_round_drafts_nothing_then_drafts_from_the_targets_features():
     (f_s, x_{s+1}) up to s = L-2, the same way whatever it read before."""
     model = tiny_llama(VOCAB, seed=2, dtype=torch.float32)
     drafter = feature_drafter(model, VOCAB)
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.float32))
     drafter.follow(runner)
     history = torch.tensor([5, 6, 7, 8, 9, 10])
     greedy = SamplingParams()
@@ -227,7 +227,7 @@ def test_a_head_with_taps_drafts_what_training_computes():
     head.init_from(model)
     torch.manual_seed(0)
     torch.nn.init.normal_(head.fc_taps.weight, std=0.3)
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.float32))
     zeroed = {**head.state_dict(), "fc_taps.weight": torch.zeros_like(head.fc_taps.weight)}
     drafters = {name: FeatureDrafter(weights, torch.arange(VOCAB), model, VOCAB, taps=(1, 2))
                 for name, weights in (("taps", head.state_dict()), ("zeroed", zeroed))}
@@ -258,7 +258,7 @@ def test_feature_taps_are_checked():
         DistillConfig(out=Path("x"), feature_taps=(1,))  # kind "layers"
     with pytest.raises(ValueError, match="feature_taps"):
         DistillConfig(out=Path("x"), kind="feature", feature_taps=(0,))
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.float32))
     runner.model.taps = (2,)
     with pytest.raises(IncompatibleDraftError, match="another feature draft"):
         FeatureDrafter({}, torch.arange(VOCAB), model, VOCAB, taps=(1,)).follow(runner)
@@ -321,7 +321,7 @@ def feature_drafter(model, vocab: int, tree_width: int = 1) -> FeatureDrafter:
 
 def native_joint_of_tokens_2_and_3(model) -> torch.Tensor:
     """p(t2, t3) [V, V] = sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2), native bf16."""
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16))
 
     def law(ids: list[int]) -> torch.Tensor:
         return warp(runner.logits(torch.tensor(ids), 1)[0], PARAMS).double()

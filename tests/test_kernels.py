@@ -1,4 +1,4 @@
-"""verispec's C++ kernels (verispec/native/kernels.cpp): the linear layer and the fused bfloat16
+"""verispec's C++ kernels (runtime/native/kernels.cpp): the linear layer and the fused bfloat16
 decoder forward agree with fp32 maths, transformers and the PyTorch path, and give a position the
 same bits in every pass shape. They run on AMX where the CPU has it, else on AVX512-BF16
 (VERISPEC_KERNELS=avx512 forces the latter on an AMX machine); skipped where the CPU has
@@ -19,8 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import NgramDrafter
-from verispec.native import NativeCachedModel, NativeLlama, batched_logits
-from verispec.native import kernels as native_kernels
+from verispec.runtime.native import NativeLlama, NativeRunner, batched_logits
+from verispec.runtime.native import kernels as native_kernels
 
 IDS = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(3))
 
@@ -129,17 +129,17 @@ def test_fused_taps_match_the_torch_path_and_change_no_logit(kernels, monkeypatc
                          ids=["amx-attention-d64", "amx-attention", "avx512-attention"])
 def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels, head_dim):
     native = NativeLlama.from_hf(tiny("llama", head_dim))
-    steps = NativeCachedModel(native)
+    steps = NativeRunner(native)
     steps.logits(IDS[:40], 1)  # a prompt pass (its own rounding: prompts run alone)
     one_by_one = torch.cat([steps.logits(IDS[:n], 1) for n in range(41, 91)])  # [50, V]
     # Passes of 5 and 16 positions give the same bits.
-    wide = NativeCachedModel(native)
+    wide = NativeRunner(native)
     wide.logits(IDS[:40], 1)
     in_passes = torch.cat([wide.logits(IDS[:n], 5 if n <= 60 else 15)
                            for n in (45, 50, 55, 60, 75, 90)])
     assert torch.equal(in_passes, one_by_one)
     # Rows of different lengths and positions in one pass, each as alone, next to a prompt.
-    rows = [NativeCachedModel(native) for _ in range(3)]
+    rows = [NativeRunner(native) for _ in range(3)]
     for runner in rows[:2]:
         runner.logits(IDS[:40], 1)
     rows[0].logits(IDS[:56], 16)
@@ -147,7 +147,7 @@ def test_fused_logits_are_the_same_bits_in_every_pass_shape(kernels, head_dim):
     together = batched_logits(rows, [IDS[:65], IDS[:56], IDS[:30]], [5, 16, 1])
     assert torch.equal(together[0], one_by_one[20:25])  # positions 60..64
     assert torch.equal(together[1], one_by_one[:16])
-    alone = NativeCachedModel(native)
+    alone = NativeRunner(native)
     assert torch.equal(together[2], alone.logits(IDS[:30], 1))
 
 
@@ -196,7 +196,7 @@ def test_the_torch_path_keeps_speculative_greedy_exact_in_bf16(tokenizer, monkey
     and speculative greedy still equals plain greedy."""
     monkeypatch.setenv("VERISPEC_KERNELS", "0")
     model = tiny_llama(len(tokenizer), seed=8, dtype=torch.float32)
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16))
     assert runner.describe() == "native bfloat16"
     plain = SpeculativeDecoder(model, tokenizer, None, runtime=runner)
     spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=4, runtime=runner)

@@ -9,9 +9,9 @@ from conftest import tiny_gpt2, tiny_llama
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.native import NativeCachedModel, NativeLlama, UnsupportedModelError
-from verispec.native import llama as native_llama
-from verispec.native.llama import Linear
+from verispec.runtime.native import NativeLlama, NativeRunner, UnsupportedModelError
+from verispec.runtime.native import llama as native_llama
+from verispec.runtime.native.llama import Linear
 
 IDS = torch.randint(0, 64, (80,), generator=torch.Generator().manual_seed(0))
 
@@ -41,8 +41,8 @@ def test_logits_equal_transformers_in_fp32(make):
 
 def test_rollback_then_forward_equals_fresh_forward():
     model = tiny_llama(64, seed=1, dtype=torch.float32)
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
-    fresh = NativeCachedModel(NativeLlama.from_hf(model, torch.float32))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.float32))
+    fresh = NativeRunner(NativeLlama.from_hf(model, torch.float32))
     for cached in (fresh, runner):
         cached.logits(IDS[:60], 1)
         cached.logits(IDS[:72], 1)
@@ -53,7 +53,7 @@ def test_rollback_then_forward_equals_fresh_forward():
 
 def test_bf16_logits_do_not_depend_on_pass_size():
     native = NativeLlama.from_hf(tiny_llama(64, seed=2, dtype=torch.float32), torch.bfloat16)
-    runner = NativeCachedModel(native)
+    runner = NativeRunner(native)
     runner.logits(IDS[:60], 1)
     steps = [runner.logits(IDS[:n], 1)[0] for n in range(61, 70)]  # one position per pass
     runner.rollback(60)
@@ -121,15 +121,15 @@ def test_unsupported_architectures_are_refused():
 
 
 def test_auto_runtime_takes_native_for_llama_and_falls_back_otherwise():
-    from verispec.runtime import CachedModel, make_runner
+    from verispec.runtime import HFRunner, make_runner
 
     llama32 = tiny_llama(64, seed=0, dtype=torch.float32)
     native = make_runner(llama32, "auto")
-    assert isinstance(native, NativeCachedModel) and native.describe().startswith("native bfloat16")
+    assert isinstance(native, NativeRunner) and native.describe().startswith("native bfloat16")
     assert make_runner(llama32, "auto", dtype="float32").describe() == "native float32"
-    assert type(make_runner(llama32, "hf")) is CachedModel
-    assert type(make_runner(tiny_gpt2(64, seed=0, dtype=torch.float32), "auto")) is CachedModel
-    assert type(make_runner(tiny_llama(64, seed=0), "auto")) is CachedModel  # float64 stays hf
+    assert type(make_runner(llama32, "hf")) is HFRunner
+    assert type(make_runner(tiny_gpt2(64, seed=0, dtype=torch.float32), "auto")) is HFRunner
+    assert type(make_runner(tiny_llama(64, seed=0), "auto")) is HFRunner  # float64 stays hf
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         make_runner(tiny_gpt2(64, seed=0, dtype=torch.float32), "native")
     with pytest.raises(ValueError, match="native runtime"):
@@ -140,8 +140,8 @@ def test_auto_runtime_takes_native_for_llama_and_falls_back_otherwise():
 
 def test_int8_weights_stay_close_to_bf16_and_are_batch_invariant():
     model = tiny_llama(64, seed=4, init=0.05, dtype=torch.float32)
-    bf16 = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
-    int8 = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16, int8=True))
+    bf16 = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16))
+    int8 = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16, int8=True))
     assert int8.describe().startswith("native bfloat16 int8 weights")
     reference, quantized = bf16.logits(IDS, 20), int8.logits(IDS, 20)
     assert (reference - quantized).abs().max() < 0.05 * reference.abs().max()
@@ -177,8 +177,8 @@ def test_a_prompt_pass_with_draft_tokens_caches_what_the_prompt_alone_caches():
     Spec-Bench RAG prompt: a 869-position pass rounded differently from an 868-position one)."""
     model = tiny_llama(64, seed=7, dtype=torch.float32)
     prompt, draft = IDS[:50], IDS[50:54]
-    plain = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
-    spec = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    plain = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16))
+    spec = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16))
     first = plain.logits(prompt, 1)
     together = spec.logits(torch.cat([prompt, draft]), 5)
     assert torch.equal(together[0], first[0])
@@ -191,7 +191,7 @@ def test_speculative_greedy_equals_plain_greedy_with_long_prompts_in_bf16(tokeni
     from verispec.drafters import NgramDrafter
 
     model = tiny_llama(len(tokenizer), seed=8, dtype=torch.float32)
-    runner = NativeCachedModel(NativeLlama.from_hf(model, torch.bfloat16))
+    runner = NativeRunner(NativeLlama.from_hf(model, torch.bfloat16))
     plain = SpeculativeDecoder(model, tokenizer, None, runtime=runner)
     spec = SpeculativeDecoder(model, tokenizer, NgramDrafter(), k=4, runtime=runner)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -214,7 +214,7 @@ def test_taps_keep_the_hidden_states_inside_the_stack_and_change_no_logit():
     logits = {}
     for taps in ((), (2, 1)):
         native.taps = taps
-        runner = NativeCachedModel(native)
+        runner = NativeRunner(native)
         logits[taps] = torch.cat([runner.logits(IDS[:70], 1), runner.logits(IDS, 10)])
     assert torch.equal(logits[()], logits[(2, 1)])
     tapped = runner

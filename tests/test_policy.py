@@ -19,7 +19,7 @@ from verispec.policy import (
     measure_costs,
     parse_k,
 )
-from verispec.runtime import CachedModel
+from verispec.runtime import HFRunner
 from verispec.theory import optimal_k
 
 
@@ -221,7 +221,7 @@ def test_optimal_k_with_a_verify_curve():
 
 
 def test_measure_costs_on_a_real_runtime(text_target):
-    model = CachedModel(text_target)
+    model = HFRunner(text_target)
     measured = measure_costs(model, NgramDrafter(), k_max=4, context=32, repeats=3,
                              long_context=64)
     assert len(measured.verify) == 5 and measured.verify[0] == 1.0

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_gpt2, tiny_llama
 
-from verispec.runtime import CachedModel
+from verispec.runtime import HFRunner
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
@@ -13,7 +13,7 @@ def test_rollback_then_forward_equals_fresh_forward(make):
     ids = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids.unsqueeze(0)).logits[0]  # [30, V]
-    runner = CachedModel(model)
+    runner = HFRunner(model)
     runner.logits(ids[:20], 1)
     # A rejected draft: five wrong tokens enter the cache, then the true continuation arrives.
     wrong = torch.cat([ids[:20], (ids[20:25] + 1) % 50])
@@ -26,19 +26,19 @@ def test_rollback_then_forward_equals_fresh_forward(make):
 
 def test_explicit_rollback_and_reuse_of_shared_prefix():
     model = tiny_llama(50, seed=1)
-    runner = CachedModel(model)
+    runner = HFRunner(model)
     ids = torch.arange(12) % 50
     runner.logits(ids, 1)
     runner.rollback(4)
     assert runner.cached_length == 4
     calls = runner.forward_calls
-    torch.testing.assert_close(runner.logits(ids, 2), CachedModel(model).logits(ids, 2),
+    torch.testing.assert_close(runner.logits(ids, 2), HFRunner(model).logits(ids, 2),
                                rtol=1e-9, atol=1e-9)
     assert runner.forward_calls == calls + 1
 
 
 def test_context_overflow_is_a_clear_error():
-    runner = CachedModel(tiny_llama(50, seed=0))
+    runner = HFRunner(tiny_llama(50, seed=0))
     with pytest.raises(ValueError, match="context"):
         runner.logits(torch.zeros(2100, dtype=torch.long), 1)
 
@@ -48,7 +48,7 @@ def test_preallocated_cache_grows_and_rolls_back_across_its_capacity():
     ids = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reference = model(ids.unsqueeze(0)).logits[0]
-    runner = CachedModel(model)
+    runner = HFRunner(model)
     runner.logits(ids[:250], 1)  # fits the first buffer
     runner.logits(ids[:300], 50)  # grows past it
     runner.rollback(240)  # back below the old capacity

@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from verispec.drafters.base import Draft
-from verispec.native import NativeCachedModel, NativeLlama, batched_logits
-from verispec.native import kernels as native_kernels
-from verispec.native.llama import RowPass, TreeLinks
+from verispec.runtime.native import NativeLlama, NativeRunner, batched_logits
+from verispec.runtime.native import kernels as native_kernels
+from verispec.runtime.native.llama import RowPass, TreeLinks
 
 IDS = torch.randint(0, 96, (120,), generator=torch.Generator().manual_seed(5))
 
@@ -46,7 +46,7 @@ def native(request, monkeypatch):
 
 @pytest.mark.parametrize("prefix", [39, 62, 64])  # the tree's first slot inside, at a block's end
 def test_a_tree_node_gets_the_chain_bits(native, prefix):
-    chain = NativeCachedModel(native)
+    chain = NativeRunner(native)
     chain.logits(IDS[:prefix - 1], 1)
     expected = torch.cat([chain.logits(IDS[:n], 1) for n in range(prefix, prefix + 4)])  # [4, V]
     # A tree under the last prefix token: the true continuation IDS[p], IDS[p+1], IDS[p+2] at
@@ -88,10 +88,10 @@ def test_tree_links_refuse_a_node_off_the_root():
 def test_the_accepted_path_is_kept_in_place_and_the_rest_falls_out(native):
     """runner.logits over a tree, then over history + the path the target followed: the path's
     keys were moved into place, so the next pass's logits are the plain runner's."""
-    plain = NativeCachedModel(native)
+    plain = NativeRunner(native)
     plain.logits(IDS[:59], 1)
     expected = plain.logits(IDS[:65], 2)  # after positions 63 and 64
-    runner = NativeCachedModel(native)
+    runner = NativeRunner(native)
     runner.logits(IDS[:59], 1)  # a prompt pass; the tree's root (IDS[59]) comes with the tree
     wrong = (IDS[60:63] + 7) % 96
     tokens = torch.stack([wrong[0], IDS[60], wrong[1], IDS[61], IDS[62], wrong[2]])
@@ -112,7 +112,7 @@ def test_the_accepted_path_is_kept_in_place_and_the_rest_falls_out(native):
 
 
 def test_tree_passes_check_their_links(native):
-    runner = NativeCachedModel(native)
+    runner = NativeRunner(native)
     with pytest.raises(ValueError, match="parent"):
         runner.logits(IDS[:12], 3, torch.tensor([-1, 1]))  # a parent after its child
     with pytest.raises(ValueError, match="parents"):

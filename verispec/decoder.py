@@ -29,7 +29,7 @@ from verispec.policy import (
     measure_costs,
     parse_k,
 )
-from verispec.runtime import RUNTIMES, CachedModel, make_runner
+from verispec.runtime import RUNTIMES, Runner, make_runner
 from verispec.sampling import make_generator
 from verispec.scheduler import TREE_MAX_BATCH, Scheduler
 from verispec.stats import GenerationStats, StatsRecorder
@@ -70,7 +70,7 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         k: int | str = DEFAULT_K,
         chat: bool = True,
-        runtime: str | CachedModel = "auto",
+        runtime: str | Runner = "auto",
         dtype: str = "auto",
         int8: bool = False,
     ) -> None:
@@ -78,7 +78,7 @@ class SpeculativeDecoder:
         explains dtype and int8), or a runner already built for `target`, to share one between
         decoders."""
         k = parse_k(k)
-        if isinstance(runtime, CachedModel):
+        if isinstance(runtime, Runner):
             self.target = runtime
         else:
             self.target = make_runner(target, runtime, dtype=dtype, int8=int8)

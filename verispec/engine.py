@@ -21,7 +21,7 @@ from verispec.drafters.base import Draft, Drafter
 from verispec.drafters.batch import propose_batch
 from verispec.params import SamplingParams
 from verispec.policy import KPolicy
-from verispec.runtime import CachedModel
+from verispec.runtime import Runner
 from verispec.sampling import warp
 from verispec.stats import StatsRecorder
 from verispec.verify import (
@@ -120,7 +120,7 @@ class Sequence:
 
 
 def speculate(
-    target: CachedModel,
+    target: Runner,
     drafter: Drafter | None,
     prompt_ids: torch.Tensor,  # [L] long, on the cpu
     params: SamplingParams,

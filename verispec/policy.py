@@ -25,7 +25,7 @@ from verispec.verify import rejection_sample
 # Greedy rows of a feature draft propose token trees this wide by default (measured with the
 # shipped SmolLM2 draft on verispec's own prompts, widths 1-12: README "Token trees").
 DEFAULT_TREE_WIDTH = 8
-MAX_TREE_NODES = 15  # a tree pass stays a short pass (verispec.native.llama.INVARIANT_MAX)
+MAX_TREE_NODES = 15  # a tree pass stays a short pass (runtime.native.llama.INVARIANT_MAX)
 
 
 def check_tree_width(width: int) -> int:
@@ -344,7 +344,7 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
     """Time target passes over 1..k_max+1 positions and one draft step after `context` tokens,
     and the passes again after `long_context` tokens (where the model's context allows).
 
-    Uses the real runtime objects: `target` is a CachedModel, `drafter` any Drafter (None
+    Uses the real runtime objects: `target` is a Runner, `drafter` any Drafter (None
     gives c = 0). Fastest of `repeats` interleaved timings; the caches are warmed first.
     """
     generator = torch.Generator().manual_seed(0)

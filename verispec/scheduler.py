@@ -37,7 +37,7 @@ from verispec.drafters.hybrid import tree_width_of
 from verispec.engine import Sequence
 from verispec.params import SamplingParams
 from verispec.policy import CHEAP_DRAFT, AdaptiveK, CostModel
-from verispec.runtime import CachedModel, batched_logits
+from verispec.runtime import Runner, batched_logits
 from verispec.sampling import make_generator
 from verispec.stats import StatsRecorder
 from verispec.text import TextStream
@@ -70,7 +70,7 @@ class _Request:
     prompt_ids: torch.Tensor
     params: SamplingParams
     sequence: Sequence | None = None  # set when the request joins the batch
-    runner: CachedModel | None = None
+    runner: Runner | None = None
     drafter: Drafter | None = None
     text: TextStream | None = None
     stats: StatsRecorder | None = None
@@ -86,7 +86,7 @@ class Scheduler:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self._ids = itertools.count()
-        self._free_runners: list[CachedModel] = []
+        self._free_runners: list[Runner] = []
         self._free_drafters: list[Drafter] = []
 
     @property

@@ -24,7 +24,7 @@ from verispec.distill.model import is_distilled_draft, load_draft
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.params import SamplingParams
-from verispec.runtime import CachedModel, make_runner
+from verispec.runtime import Runner, make_runner
 
 log = logging.getLogger("verispec")
 
@@ -119,8 +119,8 @@ def _run_batched(config: BenchConfig, methods, notes, prompt_ids, model, runners
 
 @dataclass(frozen=True, slots=True)
 class Runners:
-    target: CachedModel
-    draft: CachedModel | None
+    target: Runner
+    draft: Runner | None
     feature_drafter: FeatureDrafter | None = None  # a draft that reads the target's features
 
 

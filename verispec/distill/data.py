@@ -32,7 +32,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from verispec.decoder import SpeculativeDecoder
-from verispec.native.runner import NativeCachedModel
+from verispec.runtime.native.runner import NativeRunner
 from verispec.params import SamplingParams
 from verispec.scheduler import Scheduler
 
@@ -98,7 +98,7 @@ class Teacher:
         float32) at the N = len(ids) - start positions that predict the response tokens, and
         the target's features [len(ids), H] when it runs natively (else None)."""
         n = len(ids) - start
-        if isinstance(self.runner, NativeCachedModel):  # one pass, features kept
+        if isinstance(self.runner, NativeRunner):  # one pass, features kept
             cache = self.runner.cache
             logits = self.runner.model.forward(torch.tensor(ids), 0, n + 1, cache)  # [N + 1, V]
             features = cache.features[: len(ids)].clone()

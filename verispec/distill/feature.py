@@ -42,7 +42,7 @@ from verispec.distill.model import (
 )
 from verispec.drafters.feature import tap_inputs
 from verispec.errors import IncompatibleDraftError
-from verispec.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
+from verispec.runtime.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
 from verispec.theory import sampled_acceptance
 
 log = logging.getLogger("verispec.distill")

@@ -62,7 +62,7 @@ from verispec.distill.train import (
     prepare,
     train,
 )
-from verispec.native.llama import NativeLlama
+from verispec.runtime.native.llama import NativeLlama
 
 log = logging.getLogger("verispec.distill")
 SELF_QUESTION_TOKENS = 64

@@ -24,7 +24,10 @@ from transformers import PreTrainedModel
 from verispec.drafters.base import Draft, empty_draft
 from verispec.drafters.model import fit_vocab
 from verispec.errors import IncompatibleDraftError
-from verispec.native.llama import (
+from verispec.params import SamplingParams
+from verispec.policy import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
+from verispec.runtime import common_prefix
+from verispec.runtime.native.llama import (
     LayerWeights,
     Linear,
     LlamaShape,
@@ -32,9 +35,6 @@ from verispec.native.llama import (
     RowPass,
     TreeLinks,
 )
-from verispec.params import SamplingParams
-from verispec.policy import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
-from verispec.runtime import common_prefix
 from verispec.sampling import greedy_tokens, sample, sample_distinct, warp
 
 
@@ -49,7 +49,7 @@ class FeatureDrafter:
                  tree_width: int = DEFAULT_TREE_WIDTH, sampled_tree_width: int = 1) -> None:
         self.weights, self.head_token_ids = weights, head_token_ids.long()
         self.target_model, self.vocab_size, self.taps = target, vocab_size, tuple(taps)
-        self.runner = None  # the target's NativeCachedModel for this sequence
+        self.runner = None  # the target's NativeRunner for this sequence
         self.model: _FeatureModel | None = None  # built on the first follow(), shared by forks
         self.cache = None
         self.fed = torch.empty(0, dtype=torch.long)  # history whose real pairs are in the cache
@@ -60,9 +60,9 @@ class FeatureDrafter:
         self.sampled_tree_width = check_tree_width(sampled_tree_width)
 
     def follow(self, runner) -> None:
-        from verispec.native.runner import NativeCachedModel
+        from verispec.runtime.native.runner import NativeRunner
 
-        if not isinstance(runner, NativeCachedModel):
+        if not isinstance(runner, NativeRunner):
             raise IncompatibleDraftError("a feature draft reads the target's hidden states, which "
                                          "only the native runtime keeps: use --runtime native "
                                          "(or auto) with a Llama-family target")

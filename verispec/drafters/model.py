@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.base import Draft, empty_draft
 from verispec.params import SamplingParams
-from verispec.runtime import CachedModel, batched_logits
+from verispec.runtime import HFRunner, Runner, batched_logits
 from verispec.sampling import greedy_tokens, sample, warp
 
 
@@ -23,11 +23,11 @@ class ModelDrafter:
 
     name = "draft"
 
-    def __init__(self, model: PreTrainedModel | CachedModel, target_vocab_size: int,
+    def __init__(self, model: PreTrainedModel | Runner, target_vocab_size: int,
                  head_token_ids: torch.Tensor | None = None) -> None:
         """model: an HF causal LM (run by transformers) or a runner built for it
         (`verispec.runtime.make_runner`)."""
-        self.runner = model if isinstance(model, CachedModel) else CachedModel(model)
+        self.runner = model if isinstance(model, Runner) else HFRunner(model)
         self.target_vocab_size = target_vocab_size
         self.head_token_ids = None if head_token_ids is None else head_token_ids.long()
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from verispec.errors import VerispecError
-from verispec.native import kernels
+from verispec.runtime.native import kernels
 
 log = logging.getLogger("verispec")
 

@@ -1,5 +1,5 @@
-"""The native model behind the same interface as `verispec.runtime.CachedModel`, one sequence
-per runner; `batched_logits` runs many runners of one model in a single forward pass.
+"""The native model behind the `verispec.runtime.Runner` protocol, one sequence per runner;
+`batched_logits` runs many runners of one model in a single forward pass.
 
 Token trees: `logits(history + tree tokens, n, parents)` scores a tree of draft tokens in one
 pass (each node in the slot after the history where it comes, at its depth's position). The
@@ -13,40 +13,36 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.native.llama import INVARIANT_MAX, NativeLlama, RowPass, TreeLinks
-from verispec.runtime import CachedModel, common_prefix
+from verispec.runtime.base import PrefixRunner, common_prefix
+from verispec.runtime.native.llama import INVARIANT_MAX, NativeLlama, RowPass, TreeLinks
 
 
-class NativeCachedModel(CachedModel):
+class NativeRunner(PrefixRunner):
     """One sequence of a NativeLlama, with its own KV cache. The cache is indexed by position, so
     truncating it is only forgetting the ids: the next pass writes over the stale positions.
     Runners made by `sibling()` share the model's weights, one sequence each."""
 
     def __init__(self, model: NativeLlama) -> None:
+        super().__init__(device=model.device, vocab_size=int(model.lm_head.out_features),
+                         max_positions=model.shape.max_positions)
         self.model = model
-        self.device = model.device
-        self.vocab_size = int(model.lm_head.out_features)
-        self.max_positions = model.shape.max_positions
         self.cache = model.new_cache()
-        self._cached_ids = torch.empty(0, dtype=torch.long)
         self._tree: _PendingTree | None = None  # the last pass's tree, until the next call
-        self.forward_calls = 0
 
-    def sibling(self) -> NativeCachedModel:
+    def sibling(self) -> NativeRunner:
         """Another sequence on the same weights."""
-        return NativeCachedModel(self.model)
+        return NativeRunner(self.model)
 
     def describe(self) -> str:
         return self.model.describe()
 
-    def reset(self) -> None:
-        self._cached_ids = torch.empty(0, dtype=torch.long)
-        self._tree = None
+    def _clear(self) -> None:
+        self._tree = None  # the cache is indexed by position: stale slots are written over
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor, num_logits: int = 1,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        """CachedModel.logits; with parents [num_logits - 1] the last num_logits - 1 ids are a
+        """PrefixRunner.logits; with parents [num_logits - 1] the last num_logits - 1 ids are a
         token tree (each one's parent among them, -1: the last token before them)."""
         return batched_logits([self], [ids], [num_logits], [parents])[0]
 
@@ -73,6 +69,14 @@ class NativeCachedModel(CachedModel):
         self.cache.move(path, tree.base)
         self._cached_ids = ids[:tree.base + len(path)].clone()
 
+    def commit_tree(self, ids: torch.Tensor, base: int, parents: torch.Tensor) -> None:
+        """After a pass whose last ids from slot `base` on were a token tree: the cache holds the
+        history ids[:base]; the tree (each node's parent slot, [len(ids) - base]) waits in its
+        slots until the next call keeps the path the new ids follow (`settle`)."""
+        self.commit(ids)
+        self._cached_ids = ids[:base].clone()
+        self._tree = _PendingTree(base, parents.tolist(), ids[base:].tolist())
+
     def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
         return forward_invariant(self.model, [RowPass(self.cache, new_ids, start, num_logits)])[0]
 
@@ -87,7 +91,7 @@ class _PendingTree:
     tokens: list[int]
 
 
-def batched_logits(runners: list[NativeCachedModel], sequences: list[torch.Tensor],
+def batched_logits(runners: list[NativeRunner], sequences: list[torch.Tensor],
                    num_logits: list[int], parents: list[torch.Tensor | None] | None = None
                    ) -> list[torch.Tensor]:
     """runner.logits(ids, n[, parents]) for every row at once: one forward pass of the shared
@@ -114,11 +118,10 @@ def batched_logits(runners: list[NativeCachedModel], sequences: list[torch.Tenso
         rows.append(RowPass(runner.cache, ids[keep:], keep, count, tree))
     logits = forward_invariant(model, rows)
     for runner, ids, row in zip(runners, sequences, rows, strict=True):
-        runner.commit(ids)
-        if row.tree is not None:  # the history is cached; the tree waits for settle
-            base = row.tree.base
-            runner._cached_ids = ids[:base].clone()
-            runner._tree = _PendingTree(base, row.tree.parents.tolist(), ids[base:].tolist())
+        if row.tree is None:
+            runner.commit(ids)
+        else:
+            runner.commit_tree(ids, row.tree.base, row.tree.parents)
     return logits
 
 

@@ -1,0 +1,114 @@
+"""The transformers runner: any croppable-cache causal LM through its own modelling code.
+
+Its cache keeps full-attention layers in preallocated buffers (`PreallocatedLayer`), so a step
+writes only its new positions and a rollback is moving a length.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from verispec.runtime.base import PrefixRunner
+
+
+class HFRunner(PrefixRunner):
+    """One sequence (batch 1) of a transformers causal LM with a croppable DynamicCache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__(device=next(model.parameters()).device,
+                         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                         max_positions=_max_positions(model.config))
+        self.model = model.eval()
+        self._cache = new_cache(model.config)
+        if not self._cache.is_croppable:
+            raise ValueError(
+                f"{type(model).__name__} uses a cache that cannot be rolled back (sliding "
+                "window or recurrent state); speculative decoding needs a croppable KV cache")
+
+    def describe(self) -> str:
+        return f"hf {str(self.model.dtype).removeprefix('torch.')}"
+
+    def sibling(self) -> HFRunner:
+        """Another sequence on the same model, with its own cache."""
+        return HFRunner(self.model)
+
+    def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
+        out = self.model(input_ids=new_ids.to(self.device).unsqueeze(0), cache=self._cache,
+                         use_cache=True, logits_to_keep=num_logits)
+        return out.logits[0, -num_logits:]
+
+    def _truncate(self, length: int) -> None:
+        self._cache.crop(length - self.cached_length)
+
+    def _clear(self) -> None:
+        self._cache = new_cache(self.model.config)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in a buffer [B, H, capacity, D] that doubles when full.
+
+    transformers' DynamicLayer concatenates the whole cache on every step (O(length) copies per
+    token); here a step writes only its new positions, and rolling back is moving `length`.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length = 0
+        self._key_buffer = _empty_like_with_length(key_states, 256)
+        self._value_buffer = _empty_like_with_length(value_states, 256)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._key_buffer.shape[-2]:
+            capacity = max(end, 2 * self._key_buffer.shape[-2])
+            self._key_buffer = self._grown(self._key_buffer, capacity)
+            self._value_buffer = self._grown(self._value_buffer, capacity)
+        self._key_buffer[..., self.length:end, :] = key_states
+        self._value_buffer[..., self.length:end, :] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes the negative number of positions to remove")
+        if self.is_initialized:
+            self._set_length(self.length + tokens_to_remove)
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self._key_buffer[..., :length, :]  # [B, H, length, D] views, no copies
+        self.values = self._value_buffer[..., :length, :]
+
+    def _grown(self, buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+        grown = _empty_like_with_length(buffer, capacity)
+        grown[..., : self.length, :] = buffer[..., : self.length, :]
+        return grown
+
+
+def _empty_like_with_length(states: torch.Tensor, length: int) -> torch.Tensor:
+    return states.new_empty(*states.shape[:-2], length, states.shape[-1])
+
+
+def new_cache(config) -> DynamicCache:
+    """A DynamicCache whose full-attention layers are preallocated; models with other layer
+    kinds (sliding windows, recurrent states) keep transformers' own layers."""
+    cache = DynamicCache(config=config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [PreallocatedLayer() for _ in cache.layers]
+    return cache
+
+
+def _max_positions(config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 30
