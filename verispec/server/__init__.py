@@ -1,7 +1,7 @@
 """`verispec serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
 
     app.py       routes, server-sent events, OpenAI-style errors, `create_app`, `serve`
-    engine.py    the one thread that owns the decoder and its Scheduler
+    worker.py    the one thread that owns the decoder and its Scheduler
     protocol.py  request bodies, response objects, error objects
     prompts.py   prompts and chat messages -> token ids
     metrics.py   Prometheus metrics in a per-app registry

@@ -3,7 +3,7 @@
     app = create_app(decoder, "my-model", max_batch=16, max_queue=64)   # an ASGI app
     serve(decoder, "my-model", host="127.0.0.1", port=8000)            # run it with uvicorn
 
-Every request goes through the engine thread (`verispec.server.engine`), which batches all
+Every request goes through the engine thread (`verispec.server.worker`), which batches all
 requests in flight. A streaming client that disconnects has its request cancelled (Starlette
 cancels the response when it sees the disconnect); a non-streaming one is noticed by polling.
 On SIGTERM uvicorn stops accepting connections and waits for the responses in flight; the
@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from verispec.scheduler import Event
-from verispec.server.engine import Engine, GenerationFailed, QueueFull, RequestHandle
+from verispec.server.worker import Engine, GenerationFailed, QueueFull, RequestHandle
 from verispec.server.metrics import CountRequests, Metrics
 from verispec.server.prompts import chat_ids, completion_ids
 from verispec.server.protocol import (
