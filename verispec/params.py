@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_SEED = 2**64 - 1  # a torch.Generator's seed is 64 bits; negatives would alias big ones
+MIN_TEMPERATURE = 1e-6  # below it float32 logits / temperature overflow to inf, and warp to NaN
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -33,6 +36,9 @@ class SamplingParams:
                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         _check(_is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+               f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got "
+               f"{self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
@@ -41,6 +47,8 @@ class SamplingParams:
                f"min_p must be in [0, 1), got {self.min_p!r}")
         _check(self.seed is None or _is_int(self.seed),
                f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or 0 <= self.seed <= MAX_SEED,
+               f"seed must be in [0, 2**64), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
 

@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP app: routes, streaming, errors, metrics, graceful shutdown.
 
-    app = create_app(decoder, "my-model", max_batch=16, max_queue=64)   # an ASGI app
+    app = create_app(decoder, "my-model", ServerConfig(max_batch=16))   # an ASGI app
     serve(decoder, "my-model", host="127.0.0.1", port=8000)            # run it with uvicorn
 
-Every request goes through the engine thread (`verispec.server.worker`), which batches all
-requests in flight. A streaming client that disconnects has its request cancelled (Starlette
-cancels the response when it sees the disconnect); a non-streaming one is noticed by polling.
-On SIGTERM uvicorn stops accepting connections and waits for the responses in flight; the
-engine keeps stepping until they are done and stops at the app's shutdown.
+A request passes the guards (verispec.server.guards: API key, body size), is validated
+(protocol.py: a 400 for anything a round could fail on), tokenised in a pool of its own and
+checked against the context (prompts.py), and then goes to the engine thread
+(`verispec.server.worker`), which batches all requests in flight. A streaming client that
+disconnects has its request cancelled (Starlette cancels the response when it sees the
+disconnect); a non-streaming one is noticed by polling. On SIGTERM uvicorn stops accepting
+connections, a request that still arrives is answered 503, and the responses in flight have
+`shutdown_timeout` seconds to finish; then uvicorn cancels them, the engine drops what is left,
+and the process exits 0. A 500 names an id to find in the log, never an exception's text.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from verispec.scheduler import Event
-from verispec.server.worker import Engine, GenerationFailed, QueueFull, RequestHandle
+from verispec.server.guards import BearerAuth, BodyLimit, Draining, InternalErrors
 from verispec.server.metrics import CountRequests, Metrics
-from verispec.server.prompts import chat_ids, completion_ids
+from verispec.server.prompts import Prompts
 from verispec.server.protocol import (
     APIError,
     ChatRequest,
@@ -39,6 +43,8 @@ from verispec.server.protocol import (
     SamplingFields,
     sse,
 )
+from verispec.server.settings import ServerConfig
+from verispec.server.worker import Engine, GenerationFailed, QueueFull, RequestHandle
 
 log = logging.getLogger("verispec")
 
@@ -47,10 +53,12 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 
 
-def create_app(decoder, model_name: str, max_batch: int = 16, max_queue: int = 64) -> FastAPI:
-    """An app serving `decoder` (a SpeculativeDecoder) under `model_name`; up to max_batch
-    requests decode together, max_queue more wait, the next one is answered 429."""
-    engine = Engine(decoder, max_batch=max_batch, max_queue=max_queue)
+def create_app(decoder, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving `decoder` (a SpeculativeDecoder) under `model_name`, as `config` says
+    (default ServerConfig()). `app.state.draining = True` turns new requests away (503)."""
+    config = config or ServerConfig()
+    engine = Engine(decoder, max_batch=config.max_batch, max_queue=config.max_queue)
+    prompts = Prompts(decoder, config.max_prompt_tokens)
     metrics = Metrics(in_flight=lambda: engine.outstanding)
     created = int(time.time())
 
@@ -59,10 +67,19 @@ def create_app(decoder, model_name: str, max_batch: int = 16, max_queue: int = 6
         engine.start()
         yield
         await asyncio.to_thread(engine.stop)
+        prompts.close()
 
-    app = FastAPI(title="verispec", lifespan=lifespan)
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="verispec", lifespan=lifespan, **docs)
+    # Outermost last: counted, then internal errors caught, then shutdown, key, body size.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        also = frozenset({"/metrics", "/health"}) if config.protect_metrics else frozenset()
+        app.add_middleware(BearerAuth, api_key=config.api_key, also=also)
+    app.add_middleware(Draining, is_draining=lambda: app.state.draining)
+    app.add_middleware(InternalErrors)
     app.add_middleware(CountRequests, metrics=metrics)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.draining = engine, metrics, False
     add_error_handlers(app)
 
     @app.get("/health")
@@ -82,14 +99,14 @@ def create_app(decoder, model_name: str, max_batch: int = 16, max_queue: int = 6
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body)
         return await respond(request, body, Reply(chat=False, model=model_name),
-                             partial(completion_ids, prompt=body.prompt))
+                             partial(prompts.completion, body.prompt))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_model(body)
         messages = [message.as_dict() for message in body.messages]
         return await respond(request, body, Reply(chat=True, model=model_name),
-                             partial(chat_ids, messages=messages))
+                             partial(prompts.chat, messages))
 
     def check_model(body: SamplingFields) -> None:
         if body.model != model_name:
@@ -98,14 +115,22 @@ def create_app(decoder, model_name: str, max_batch: int = 16, max_queue: int = 6
 
     async def respond(request: Request, body: SamplingFields, reply: Reply, encode
                       ) -> Response:
-        params = body.params()
+        """encode: -> the prompt's ids, checked, off the engine thread (APIError if refused)."""
         arrived = time.perf_counter()
+        params = body.params()
+        if engine.outstanding >= engine.capacity:  # spare the tokenising; submit checks again
+            raise queue_full(f"the server is at capacity ({engine.capacity} requests in "
+                             "flight or waiting); retry later")
+        prompt_ids = await encode()
+        params = prompts.fit(len(prompt_ids), params, body.explicit_max_tokens)
         try:
-            handle = await engine.submit(encode, params)
+            handle = await engine.submit(prompt_ids, params)
         except QueueFull as err:
-            raise APIError(429, str(err), type="rate_limit_error", code="queue_full") from None
+            raise queue_full(str(err)) from None
         except ValueError as err:
             raise APIError(400, str(err)) from None
+        except GenerationFailed:
+            raise internal_error(reply) from None
         clock = Clock(metrics, handle, arrived)
         if body.stream:
             return EventStream(stream(reply, handle, clock, body.include_usage),
@@ -114,8 +139,8 @@ def create_app(decoder, model_name: str, max_batch: int = 16, max_queue: int = 6
             output = await collect(handle, request, clock)
             if output is None:
                 return Response(status_code=CLIENT_CLOSED)
-        except GenerationFailed as err:
-            raise APIError(500, str(err), type="server_error") from None
+        except GenerationFailed:
+            raise internal_error(reply) from None
         finally:
             release(handle)
         return JSONResponse(reply.full(output, handle.prompt_tokens))
@@ -143,9 +168,20 @@ async def stream(reply: Reply, handle: RequestHandle, clock: Clock, include_usag
                 yield sse(reply.chunk("", output=output))
                 if include_usage:
                     yield sse(reply.usage_chunk(output, handle.prompt_tokens))
-    except GenerationFailed as err:
-        yield sse(APIError(500, str(err), type="server_error").body())
+    except GenerationFailed:
+        yield sse(internal_error(reply).body())
     yield sse("[DONE]")
+
+
+def queue_full(message: str) -> APIError:
+    return APIError(429, message, type="rate_limit_error", code="queue_full")
+
+
+def internal_error(reply: Reply) -> APIError:
+    """The 500 of a request whose round failed: its id, to find the cause in the log."""
+    request_id = reply.response_id
+    log.error("request %s failed in its round (the engine logged why)", request_id)
+    return APIError(500, f"internal error (request {request_id})", type="server_error")
 
 
 async def collect(handle: RequestHandle, request: Request, clock: Clock):
@@ -222,11 +258,6 @@ def add_error_handlers(app: FastAPI) -> None:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         return await api_error(request, APIError(err.status_code, str(err.detail), type=kind))
 
-    @app.exception_handler(Exception)
-    async def crash(request: Request, err: Exception) -> JSONResponse:
-        # Starlette re-raises the error after this answer, so the server still logs it.
-        return await api_error(request, APIError(500, f"internal error: {err}",
-                                                 type="server_error"))
 
 
 def default_model_name(target) -> str:
@@ -237,16 +268,25 @@ def default_model_name(target) -> str:
 
 
 def serve(decoder, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch: int = 16, max_queue: int = 64) -> None:
-    """Serve until SIGINT/SIGTERM; both finish the requests in flight first."""
+          config: ServerConfig | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; both give the requests in flight config.shutdown_timeout
+    seconds to finish, then cancel the rest and return."""
     import uvicorn
+
+    config = config or ServerConfig()
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.draining = True  # requests that still arrive: 503
+            super().handle_exit(sig, frame)
 
     # uvicorn re-raises the signal it shut down for under the handler found here: SIGTERM then
     # ends the process with status 0 instead of killing it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    warm_up(decoder, max_batch)
-    app = create_app(decoder, model_name, max_batch=max_batch, max_queue=max_queue)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=None)
+    warm_up(decoder, config.max_batch)
+    app = create_app(decoder, model_name, config)
+    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                  timeout_graceful_shutdown=config.shutdown_timeout)).run()
 
 
 def warm_up(decoder, max_batch: int) -> None:

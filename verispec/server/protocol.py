@@ -1,8 +1,10 @@
 """OpenAI's wire format: request bodies (validated by pydantic), response objects, errors.
 
 Only what verispec can honour is accepted: one choice (n=1), no log-probabilities, no
-penalties. Fields OpenAI defines but verispec does not implement are refused with a 400 when
-set to anything but their neutral value; unknown fields are ignored. Extensions: `top_k`,
+penalties, no logit bias, no tools. Fields that would change the output but verispec does not
+implement (NEUTRAL: OpenAI's and vLLM's) are refused with a 400 when set to anything but their
+neutral value; other fields (user, metadata, store, service_tier, ...) are ignored. Every
+string must be valid Unicode (a lone surrogate, JSON's "\\ud800", is a 400). Extensions: `top_k`,
 `min_p`, `ignore_eos` in requests, and `verispec` (the request's GenerationStats) in responses
 and in the last stream chunk.
 """
@@ -13,23 +15,40 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from verispec.params import SamplingParams
+from verispec.params import MAX_SEED, MIN_TEMPERATURE, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 256  # OpenAI's is "up to the context"; a bounded default serves better
 
-# OpenAI fields verispec does not implement -> the values that mean "off".
+# Fields (OpenAI's, a few of vLLM's) verispec does not implement -> the values that mean "off".
 NEUTRAL = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
+    "modalities": (None, ["text"]), "audio": (None,), "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,),
 }
+
+
+def unicode_only(text: str) -> str:
+    """Refuse a string UTF-8 cannot encode (a lone surrogate from JSON's "\\ud800"): no
+    tokenizer takes it, and no response could repeat it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"not valid Unicode: {err.reason} at character {err.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_only)]
 
 
 class APIError(Exception):
@@ -55,15 +74,15 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Text
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, strict=True)  # strict: no true, no "1"
     top_p: float | None = Field(None, gt=0, le=1, strict=True)
     top_k: StrictInt | None = Field(None, ge=0)  # extension; 0 = off
     min_p: float | None = Field(None, ge=0, lt=1, strict=True)  # extension; 0 = off
     ignore_eos: StrictBool = False  # extension
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    stop: Text | list[Text] | None = None
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     n: StrictInt | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -77,6 +96,17 @@ class SamplingFields(BaseModel):
     logit_bias: Any = None
     tools: Any = None
     response_format: Any = None
+    functions: Any = None
+    function_call: Any = None
+    tool_choice: Any = None
+    modalities: Any = None
+    audio: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int
                         ) -> SamplingParams:
@@ -87,6 +117,9 @@ class SamplingFields(BaseModel):
         for name, neutral in NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise APIError(400, f"`{name}` is not supported by this server", param=name)
+        if self.temperature is not None and 0 < self.temperature < MIN_TEMPERATURE:
+            raise APIError(400, f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                                f"got {self.temperature}", param="temperature")
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens or default_max_tokens,
@@ -104,20 +137,24 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[StrictInt]  # text (no chat template) or token ids
+    prompt: Text | list[StrictInt]  # text (no chat template) or token ids
 
     def params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, COMPLETION_MAX_TOKENS)
 
+    @property
+    def explicit_max_tokens(self) -> bool:
+        return self.max_tokens is not None
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def as_dict(self) -> dict[str, str]:
         """The message as a chat template expects it: text parts joined."""
@@ -134,6 +171,10 @@ class ChatRequest(SamplingFields):
     def params(self) -> SamplingParams:
         return self.sampling_params(self.max_completion_tokens or self.max_tokens,
                                     CHAT_MAX_TOKENS)
+
+    @property
+    def explicit_max_tokens(self) -> bool:
+        return (self.max_completion_tokens or self.max_tokens) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,12 +220,17 @@ class Reply:
         return {**self._head(stream=True), "choices": [],
                 "usage": usage(prompt_tokens, output)}
 
+    @property
+    def response_id(self) -> str:
+        """The id every response object of the request carries: chatcmpl-... or cmpl-..."""
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}"
+
     def _head(self, stream: bool) -> dict:
         if self.chat:
-            kind, prefix = ("chat.completion.chunk" if stream else "chat.completion"), "chatcmpl"
+            kind = "chat.completion.chunk" if stream else "chat.completion"
         else:
-            kind, prefix = "text_completion", "cmpl"
-        return {"id": f"{prefix}-{self.id}", "object": kind, "created": self.created,
+            kind = "text_completion"
+        return {"id": self.response_id, "object": kind, "created": self.created,
                 "model": self.model}
 
 

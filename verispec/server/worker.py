@@ -6,10 +6,12 @@ The Scheduler is synchronous and not thread-safe, so a single thread runs it:
            2. one scheduler round over every running request
            3. hand each request's events to its asyncio queue (loop.call_soon_threadsafe)
 
-HTTP handlers only `submit` (from the event loop) and `cancel`; prompts are tokenized on the
-engine thread too, so the tokenizer has one user. A request counts against the capacity
-(max_batch running + max_queue waiting) from `submit` until it leaves the scheduler; beyond it
-`submit` raises QueueFull at once.
+HTTP handlers only `submit` token ids already checked (verispec.server.prompts tokenises them in
+a pool of its own, so a long prompt stalls no round) and `cancel`. A request counts against the
+capacity (max_batch running + max_queue waiting) from `submit` until it leaves the scheduler;
+beyond it `submit` raises QueueFull at once. A round that fails fails only the rows it names
+(`Event.error`); a round that raises as a whole fails every row of it, and serving goes on.
+Messages that reach clients never carry an exception's text: it is logged here.
 """
 
 from __future__ import annotations
@@ -18,17 +20,12 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from verispec.params import SamplingParams
 from verispec.scheduler import Event, Scheduler
 
 log = logging.getLogger("verispec")
-
-Encode = Callable[[object], torch.Tensor]  # decoder -> prompt ids [L]; ValueError on bad input
 
 
 class QueueFull(Exception):
@@ -36,7 +33,7 @@ class QueueFull(Exception):
 
 
 class GenerationFailed(RuntimeError):
-    """The scheduler failed during a round; every request of that batch gets this."""
+    """The request's round failed (the cause is in the server's log, not in this message)."""
 
 
 class RequestHandle:
@@ -64,7 +61,7 @@ class RequestHandle:
 @dataclass(frozen=True, slots=True)
 class _Add:
     handle: RequestHandle
-    encode: Encode
+    prompt_ids: list[int]
     params: SamplingParams
 
 
@@ -102,20 +99,21 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Finish every request in flight, then end the thread."""
+        """Cancel the requests left (the HTTP server stops only once their clients are done or
+        cut off), then end the thread."""
         self._commands.put(_Stop())
         self._thread.join()
 
-    async def submit(self, encode: Encode, params: SamplingParams) -> RequestHandle:
+    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request; returns once the engine took it. Raises QueueFull at once when the
-        engine is at capacity, ValueError for a prompt the decoder refuses."""
+        engine is at capacity, ValueError for a request the scheduler refuses."""
         with self._lock:
             if self._outstanding >= self.capacity:
                 raise QueueFull(f"the server is at capacity ({self.max_batch} running, "
                                 f"{self.capacity - self.max_batch} waiting); retry later")
             self._outstanding += 1
         handle = RequestHandle()
-        self._commands.put(_Add(handle, encode, params))
+        self._commands.put(_Add(handle, prompt_ids, params))
         handle.prompt_tokens = await handle.next()
         return handle
 
@@ -127,8 +125,7 @@ class Engine:
     # -- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        stopping = False
-        while not (stopping and not self._scheduler.has_work):
+        while True:
             # 1. Commands: wait for one when idle, else take those already there.
             commands = [self._commands.get()] if not self._scheduler.has_work else []
             while not self._commands.empty():
@@ -139,45 +136,60 @@ class Engine:
                 elif isinstance(command, _Cancel):
                     self._cancel(command.handle)
                 else:
-                    stopping = True
+                    self._cancel_all()
+                    return
             # 2.-3. One round; events go to their requests.
             if self._scheduler.has_work:
                 self._step()
 
     def _add(self, command: _Add) -> None:
         try:
-            ids = command.encode(self.decoder)
-            request_id = self._scheduler.add(ids.tolist(), command.params, chat=False)
-        except Exception as err:  # a refused prompt goes back to its handler as the error
+            request_id = self._scheduler.add(command.prompt_ids, command.params, chat=False)
+        except Exception as err:  # a refused request goes back to its handler as the error
             self._leave()
+            if not isinstance(err, ValueError):
+                log.exception("the scheduler could not add a request")
+                err = GenerationFailed("the request could not be queued")
             _post(command.handle, err)
             return
         command.handle.request_id = request_id
         self._handles[request_id] = command.handle
-        _post(command.handle, len(ids))
+        _post(command.handle, len(command.prompt_ids))
 
     def _cancel(self, handle: RequestHandle) -> None:
         if handle.request_id in self._handles and self._scheduler.cancel(handle.request_id):
             del self._handles[handle.request_id]
             self._leave()
 
+    def _cancel_all(self) -> None:
+        """At stop: drop every request left, and tell its handler if one still listens."""
+        for handle in list(self._handles.values()):
+            self._cancel(handle)
+            _post(handle, GenerationFailed("the server is shutting down"))
+
     def _step(self) -> None:
         try:
             events = self._scheduler.step()
-        except Exception as err:  # fail the batch's requests, keep serving
-            log.exception("scheduler step failed; failing %d requests", len(self._handles))
+        except Exception:  # fail the round's requests, keep serving
+            log.exception("a scheduler round failed; failing its %d requests",
+                          len(self._handles))
             for handle in self._handles.values():
                 self._leave()
-                _post(handle, GenerationFailed(f"generation failed: {err}"))
+                _post(handle, GenerationFailed("generation failed"))
             self._handles.clear()
             self._scheduler = Scheduler(self.decoder, self.max_batch)
             return
         for event in events:
             handle = self._handles[event.request_id]
-            if event.output is not None:
+            error = getattr(event, "error", None)
+            if event.output is not None or error is not None:
                 del self._handles[event.request_id]
                 self._leave()
-            _post(handle, event)
+            if error is not None:  # this row alone failed; the scheduler logged why
+                log.error("request %d failed: %r", event.request_id, error)
+                _post(handle, GenerationFailed("generation failed"))
+            else:
+                _post(handle, event)
 
     def _leave(self) -> None:
         with self._lock:
