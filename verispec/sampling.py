@@ -33,6 +33,8 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
         drop_sorted = mass_before >= params.top_p
+        # A top_p under float32's smallest number compares as 0, which would drop the top too.
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
