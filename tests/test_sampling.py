@@ -33,6 +33,21 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     # A p below the top token's mass keeps just that token.
     assert (warp(LOGITS, SamplingParams(temperature=1.0, top_p=0.1)) > 0).sum().item() == 1
 
+    # A p below float32's smallest number compares as 0 there; the top token stays all the same.
+    tiny = warp(LOGITS, SamplingParams(temperature=1.0, top_p=1e-300))[0]
+    assert tiny.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_sampling_params_refuse_seeds_and_temperatures_a_round_would_fail_on():
+    for seed in (0, 2**64 - 1):
+        assert SamplingParams(seed=seed).seed == seed
+    for seed in (-1, 2**64, 10**30):  # torch.Generator.manual_seed: overflow, or an alias
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(temperature=1e-6).temperature == 1e-6
+    with pytest.raises(ValueError, match="temperature"):  # logits / 1e-300 overflow to inf
+        SamplingParams(temperature=1e-300)
+
 
 def test_min_p_drops_tokens_below_fraction_of_max():
     probs = warp(LOGITS, SamplingParams(temperature=1.0, min_p=0.1))[0]
