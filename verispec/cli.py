@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, bench, costs, distill, serve."""
+"""`verispec` command line: generate, bench, costs, distill, serve, models, pull."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--k", default="auto",
                        help="K for verispec's speculative methods; a list (1,2,4,auto,heuristic)"
                             " runs each")
-    bench.add_argument("--target", default=None)
+    bench.add_argument("--target", default=None,
+                       help="a model name (`verispec models`), folder or .gguf file")
     bench.add_argument("--draft", default="default",
                        help="draft model for 'draft' and 'hf-assisted' (default: the draft "
                             "shipped for the target, if any)")
@@ -77,16 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_distill_command(commands)
     add_serve_command(commands)
+    add_model_commands(commands)
     return parser
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
-                        help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M)")
+                        help="a model name (`verispec models`), HF checkpoint folder or .gguf "
+                             "file (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", default="default",
-                        help="draft model folder/.gguf, 'ngram', 'none' (plain decoding) or "
-                             "'default' (the draft shipped for the target with n-gram lookup, "
-                             "else n-gram lookup)")
+                        help="draft model name, folder or .gguf, 'ngram', 'none' (plain "
+                             "decoding) or 'default' (the target's default draft with n-gram "
+                             "lookup, else n-gram lookup)")
     add_runtime_args(parser)
     add_tree_arg(parser)
     parser.add_argument("--device", default="cpu")
@@ -214,22 +217,6 @@ def add_serve_command(commands) -> None:
     serve.add_argument("--model-name", default=None,
                        help="the `model` clients name (default: the target's folder or file "
                             "name, smollm2-135m-instruct for the embedded model)")
-    serve.add_argument("--max-body-bytes", type=int, default=None,
-                       help="request bodies over this are answered 413 (default 4 MiB)")
-    serve.add_argument("--max-prompt-tokens", type=int, default=None,
-                       help="prompts over this many tokens are answered 400 (default: the "
-                            "model's context less one)")
-    serve.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on /v1/* (default: the "
-                            "VERISPEC_API_KEY environment variable; unset: no key)")
-    serve.add_argument("--protect-metrics", action="store_true",
-                       help="require the API key on /metrics and /health too")
-    serve.add_argument("--docs", action="store_true",
-                       help="serve /docs, /redoc and /openapi.json (off by default; the docs "
-                            "pages load their JavaScript and CSS from a public CDN)")
-    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="seconds the requests in flight get to finish after SIGTERM or "
-                            "Ctrl-C, then they are cancelled (default 10)")
     serve.set_defaults(run=run_serve)
 
 
@@ -237,24 +224,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from verispec import SpeculativeDecoder
 
     try:
-        from verispec.server import ServerConfig, default_model_name, serve
-        from verispec.server.settings import DEFAULT_MAX_BODY_BYTES
+        from verispec.server import default_model_name, serve
     except ImportError as err:
         raise VerispecError(f"`verispec serve` needs the serve extra: pip install "
                             f"'verispec[serve]' ({err})") from None
-    config = ServerConfig(  # before loading: a bad flag fails at once
-        max_batch=args.max_batch, max_queue=args.max_queue,
-        max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else
-        args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
-        protect_metrics=args.protect_metrics, docs=args.docs,
-        shutdown_timeout=args.shutdown_timeout)
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
         sampled_tree_width=args.sampled_tree_width)
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
-          port=args.port, config=config)
+          port=args.port, max_batch=args.max_batch, max_queue=args.max_queue)
     return 0
 
 
@@ -323,6 +302,54 @@ def run_distill(args: argparse.Namespace) -> int:
     print(f"draft: {result.draft} (held-out top-1 agreement "
           f"{result.report.heldout_agreement:.3f})", file=sys.stderr)
     print(result.draft)
+    return 0
+
+
+def add_model_commands(commands) -> None:
+    """`verispec models` (what verispec knows) and `verispec pull NAME` (get one)."""
+    models = commands.add_parser("models", help="list the models verispec knows by name")
+    models.add_argument("--json", action="store_true", help="one JSON object per line")
+    models.set_defaults(run=run_models)
+    pull = commands.add_parser("pull", help="download a known model's parts (pip), assemble "
+                                            "and verify it into the cache")
+    pull.add_argument("name", nargs="+", help="model names (`verispec models`)")
+    pull.add_argument("--find-links", default=None, metavar="DIR",
+                      help="install the parts from this folder of wheels only (pip "
+                           "--no-index --find-links DIR)")
+    pull.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
+                      help="an extra argument for pip (repeatable), e.g. --pip-arg=--index-url=URL")
+    pull.set_defaults(run=run_pull)
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from verispec import models
+
+    rows = models.listing()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    header = ("name", "size", "installed", "default draft", "source")
+    table = [(r["name"], f"{r['size_mib']:,} MiB", "yes" if r["installed"] else "no",
+              r["default_draft"], r["source"]) for r in rows]
+    widths = [max(len(str(row[i])) for row in (header, *table)) for i in range(len(header))]
+    for row in (header, *table):
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+              .rstrip())
+    missing = [r["name"] for r in rows if not r["installed"]]
+    if missing:
+        print(f"\nget one with: verispec pull {missing[0]}", file=sys.stderr)
+    return 0
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from verispec import models
+
+    pip_args = list(args.pip_arg)
+    if args.find_links:
+        pip_args += ["--no-index", "--find-links", str(Path(args.find_links).expanduser())]
+    for name in args.name:
+        print(models.pull(name, pip_args, progress=lambda text: print(text, file=sys.stderr)))
     return 0
 
 

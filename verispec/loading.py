@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import logging as hf_logging
 
+from verispec import models
 from verispec.errors import ModelNotFoundError
 
 log = logging.getLogger("verispec")
@@ -60,7 +61,9 @@ def embedded_model_file() -> Path:
 
 def resolve(spec: str | os.PathLike | None) -> ModelSource:
     """None -> the embedded default; a .gguf file; a folder with config.json; a folder holding
-    exactly one .gguf file."""
+    exactly one .gguf file; a registry name (`verispec models`) that is not also a path."""
+    if isinstance(spec, str) and spec in models.REGISTRY and not Path(spec).exists():
+        spec = models.locate(spec)  # raises with the `verispec pull` command when missing
     path = embedded_model_file() if spec is None else Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -73,8 +76,9 @@ def resolve(spec: str | os.PathLike | None) -> ModelSource:
         if len(ggufs) == 1:
             return ModelSource(path, ggufs[0].name)
         raise ModelNotFoundError(f"{path} has no config.json and not exactly one .gguf file")
-    raise ModelNotFoundError(f"model not found: {path} (give a local HF checkpoint folder or a "
-                             ".gguf file; nothing is downloaded)")
+    raise ModelNotFoundError(f"model not found: {path} (give a local HF checkpoint folder, a "
+                             f".gguf file or a known model: {', '.join(models.REGISTRY)}; "
+                             "nothing is downloaded)")
 
 
 def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "cpu"
@@ -163,7 +167,11 @@ EMBEDDED_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-instruct"  # distilled by `veris
 def default_draft(target_spec: str | os.PathLike | None) -> Path | None:
     """The draft shipped for a target: the feature draft distilled for SmolLM2 (EMBEDDED_DRAFT,
     its model card says how it was made) when the target is the embedded default model (given
-    as None or as the path of its GGUF), else None."""
+    as None or as the path of its GGUF); for a registry model (by name or as its file), the file
+    of its default draft (`verispec models`); else None."""
+    registry_draft = models.default_draft_path(target_spec)  # e.g. the 1.5B's 0.5B
+    if registry_draft is not None:
+        return registry_draft
     if not (EMBEDDED_DRAFT / "config.json").is_file():
         return None
     if target_spec is None:
