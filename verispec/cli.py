@@ -217,6 +217,22 @@ def add_serve_command(commands) -> None:
     serve.add_argument("--model-name", default=None,
                        help="the `model` clients name (default: the target's folder or file "
                             "name, smollm2-135m-instruct for the embedded model)")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="request bodies over this are answered 413 (default 4 MiB)")
+    serve.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="prompts over this many tokens are answered 400 (default: the "
+                            "model's context less one)")
+    serve.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1/* (default: the "
+                            "VERISPEC_API_KEY environment variable; unset: no key)")
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics and /health too")
+    serve.add_argument("--docs", action="store_true",
+                       help="serve /docs, /redoc and /openapi.json (off by default; the docs "
+                            "pages load their JavaScript and CSS from a public CDN)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds the requests in flight get to finish after SIGTERM or "
+                            "Ctrl-C, then they are cancelled (default 10)")
     serve.set_defaults(run=run_serve)
 
 
@@ -224,16 +240,24 @@ def run_serve(args: argparse.Namespace) -> int:
     from verispec import SpeculativeDecoder
 
     try:
-        from verispec.server import default_model_name, serve
+        from verispec.server import ServerConfig, default_model_name, serve
+        from verispec.server.settings import DEFAULT_MAX_BODY_BYTES
     except ImportError as err:
         raise VerispecError(f"`verispec serve` needs the serve extra: pip install "
                             f"'verispec[serve]' ({err})") from None
+    config = ServerConfig(  # before loading: a bad flag fails at once
+        max_batch=args.max_batch, max_queue=args.max_queue,
+        max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else
+        args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
+        protect_metrics=args.protect_metrics, docs=args.docs,
+        shutdown_timeout=args.shutdown_timeout)
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
         sampled_tree_width=args.sampled_tree_width)
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
-          port=args.port, max_batch=args.max_batch, max_queue=args.max_queue)
+          port=args.port, config=config)
     return 0
 
 
