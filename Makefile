@@ -1,10 +1,14 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv, then run a speculative generation on the embedded default model
 #   make test   set up .venv, then run the test suite
+#   make demo-coder  pull Qwen2.5-Coder-1.5B and its 0.5B draft (~1.5 GB), then write code with
+#                    the pair (PULL_ARGS="--find-links DIR" pulls from a folder of wheels)
 PY := .venv/bin/python
 PROMPT ?= Explain in three sentences what a KV cache is and why it speeds up text generation.
+CODER_PROMPT ?= Write a Python function that merges overlapping intervals, with a docstring and a doctest.
+PULL_ARGS ?=
 
-.PHONY: demo test setup lint clean
+.PHONY: demo demo-coder test setup lint clean
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -20,6 +24,10 @@ setup: .venv/.installed
 
 demo: .venv/.installed
 	HF_HUB_OFFLINE=1 .venv/bin/verispec generate "$(PROMPT)" --max-new-tokens 128
+
+demo-coder: .venv/.installed
+	HF_HUB_OFFLINE=1 .venv/bin/verispec pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct $(PULL_ARGS)
+	HF_HUB_OFFLINE=1 .venv/bin/verispec generate "$(CODER_PROMPT)" --target qwen2.5-coder-1.5b-instruct --max-new-tokens 256
 
 test: .venv/.installed
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
