@@ -1,0 +1,151 @@
+"""GGUF weights as the native runtime's layers: a linear layer and an embedding table that keep
+the file's blocks and compute from them.
+
+`QuantMatrix` is one 2-D tensor of the file ([N, K] values: N rows of K), in its own format:
+block types hold the file's bytes [N, row_bytes] (a view of the memory-mapped file),
+F32/F16/BF16 hold the values; any other type is dequantised to bfloat16 when it is built, said
+in a log line. `QuantLinear` is y = x W^T + b over one; indexing a `QuantMatrix` by ids gives
+dequantised rows (the embedding lookup, and the head rows a feature draft reads).
+
+Products run on `verispec.quant.kernels` (C++, int8 activations per block) where it is built,
+else in PyTorch (`verispec.quant.fallback`). Both are batch-invariant: a row's result does not
+depend on how many rows share the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as reference_dequantize
+
+from verispec.quant import fallback
+from verispec.quant.gguf import PLAIN_TYPES, GGUFTensor
+
+log = logging.getLogger("verispec")
+
+Q = GGMLQuantizationType
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """verispec.quant.kernels where its C++ path is built and on, else None (PyTorch)."""
+    try:
+        from verispec.quant import kernels as module
+    except ImportError:
+        module = None
+    if module is None or getattr(module, "path", "off") == "off":
+        log.info("quantised weights: products in PyTorch (dequantised per call; slow)")
+        return None
+    return module
+
+
+class QuantMatrix:
+    """A 2-D tensor of the file, [N, K] values, kept in its own format (see the module doc).
+    matrix[ids] -> float32 rows [len(ids), K]."""
+
+    def __init__(self, tensor: GGUFTensor) -> None:
+        if len(tensor.shape) != 2:
+            raise ValueError(f"{tensor.name} is {len(tensor.shape)}-D, a matrix is 2-D")
+        self.name, self.shape = tensor.name, torch.Size(tensor.shape)
+        if tensor.qtype in fallback.SUPPORTED or tensor.qtype in PLAIN_TYPES:
+            self.qtype, self.data = tensor.qtype, tensor.data
+        else:
+            log.info("%s: %s has no verispec kernel; dequantised to bfloat16 at load",
+                     tensor.name, tensor.qtype.name)
+            values = reference_dequantize(np.asarray(tensor.data.numpy()), tensor.qtype)
+            self.qtype, self.data = Q.BF16, torch.from_numpy(values).to(torch.bfloat16)
+
+    # What the native runtime reads off an embedding table: rows come out in float32.
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype not in PLAIN_TYPES
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if not self.quantized:
+            return self.data[ids].float()
+        module = kernels()
+        if module is not None:
+            return module.get_rows(self.data, self.qtype, ids)
+        return fallback.get_rows(self.data, self.qtype, ids.reshape(-1)).reshape(
+            *ids.shape, self.shape[1])
+
+    def detach(self) -> QuantMatrix:
+        return self
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix [N, K] float32 (a full-precision copy: tests and small tables)."""
+        if not self.quantized:
+            return self.data.float()
+        module = kernels()
+        if module is not None:
+            return module.dequantize(self.data, self.qtype)
+        return fallback.dequantize(self.data, self.qtype)
+
+    def to(self, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+        """A dense copy (a draft model built on this table needs one)."""
+        return self.dequantize().to(dtype=dtype or torch.float32, device=device)
+
+
+class QuantLinear:
+    """y = x W^T + b with W a QuantMatrix: x [R, K] -> [R, N] float32, each row's result the
+    same bits alone or among others. Duck-types the native runtime's `Linear` (out_features,
+    in_features; no AMX tiles, no int8 scales)."""
+
+    tiles = None
+    scales = None
+    kernels = None
+
+    def __init__(self, weight: QuantMatrix, bias: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None) -> None:
+        """order [N]: output i is the product's output order[i] (bias in the product's order),
+        for files whose rows are stored in another order than the runtime computes in."""
+        self.weight, self.bias, self.order = weight, None if bias is None else bias.float(), order
+        self.out_features, self.in_features = weight.shape
+        if self.bias is not None and self.bias.shape != (self.out_features,):
+            raise ValueError(f"{weight.name}: bias {tuple(self.bias.shape)} for "
+                             f"{self.out_features} outputs")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not weight.quantized:  # a plain tensor: per-row products, as the fallback's
+            dense = weight.data.float()  # [N, K]
+            y = torch.stack([torch.mv(dense, row) for row in x.float()])
+        elif (module := kernels()) is not None:
+            y = module.matmul(x.float().contiguous(), weight.data, weight.qtype)
+        else:
+            y = fallback.matmul(x, weight.data, weight.qtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.order is None else y[:, self.order]
+
+
+class ConcatLinear:
+    """Several QuantLinear layers over the same input, outputs side by side: the runtime's fused
+    q/k/v and gate/up projections without copying the file's tensors into one."""
+
+    tiles = None
+    scales = None
+    kernels = None
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        if len({part.in_features for part in parts}) != 1:
+            raise ValueError("concatenated layers must share their input width")
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=1)  # [R, sum N]

@@ -1,0 +1,68 @@
+"""The native runtime over a quantized GGUF file: a NativeLlama whose linear layers compute from
+the file's blocks (`verispec.quant.linear`), float32 activations, norms and caches.
+
+The layers run in NativeLlama's PyTorch loop (the fused C++ decoder takes AMX tiles only). A
+float32 pass attends query by query over each query's own keys (NativeLlama probes this), and
+quantized products are row-independent, so a position's logits are the same bits in any pass:
+speculative greedy output equals plain greedy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
+from verispec.quant.model import GGUFModel, qk_order
+from verispec.runtime.native.llama import LayerWeights, LlamaShape, NativeLlama
+from verispec.runtime.native.runner import NativeRunner
+
+log = logging.getLogger("verispec")
+
+
+def gguf_runner(model: GGUFModel, runtime: str = "auto", dtype: str = "auto",
+                int8: bool = False) -> NativeRunner:
+    """A runner of `model` (its NativeLlama built once and shared). The file's formats are the
+    dtype: another dtype, int8 or transformers' runtime mean dequantising the file first."""
+    if runtime == "hf" or dtype != "auto" or int8:
+        asked = "runtime hf" if runtime == "hf" else "int8" if int8 else f"dtype {dtype}"
+        raise ValueError(f"{model.file.path.name} runs at its own quantization on the native "
+                         f"runtime; {asked} needs its weights dequantised first "
+                         "(--dequantize bf16 / dequantize='bf16')")
+    if model.native is None:
+        model.native = native_from_gguf(model)
+    return NativeRunner(model.native)
+
+
+def native_from_gguf(model: GGUFModel) -> NativeLlama:
+    """Build the NativeLlama over the file's tensors (views of the file; nothing is copied
+    except F16/BF16 norms and biases, widened to float32)."""
+    file, shape = model.file, LlamaShape.from_config(model.config)
+    q_order = qk_order(file.architecture, shape.num_heads, shape.head_dim)
+    k_order = qk_order(file.architecture, shape.num_kv_heads, shape.head_dim)
+
+    def vector(name: str) -> torch.Tensor:
+        return file.tensor(name).data.float()  # F32 tensors: a view, no copy
+
+    def linear(name: str, order: torch.Tensor | None = None) -> QuantLinear:
+        bias = f"{name}.bias" if shape.attention_bias and name.endswith(
+            ("attn_q", "attn_k", "attn_v")) else None
+        return QuantLinear(QuantMatrix(file.tensor(f"{name}.weight")),
+                           None if bias is None else vector(bias), order)
+
+    layers = []
+    for index in range(shape.num_layers):
+        block = f"blk.{index}"
+        layers.append(LayerWeights(
+            attn_norm=vector(f"{block}.attn_norm.weight"),
+            qkv=ConcatLinear([linear(f"{block}.attn_q", q_order),
+                              linear(f"{block}.attn_k", k_order), linear(f"{block}.attn_v")]),
+            out=linear(f"{block}.attn_output"),
+            mlp_norm=vector(f"{block}.ffn_norm.weight"),
+            gate_up=ConcatLinear([linear(f"{block}.ffn_gate"), linear(f"{block}.ffn_up")]),
+            down=linear(f"{block}.ffn_down")))
+    log.info("native runtime: %s at its own quantization", model.describe())
+    return NativeLlama(shape, model.embed, layers, vector("output_norm.weight"),
+                       QuantLinear(model.head))
+
