@@ -35,8 +35,80 @@ def test_bench_runs_every_method_and_writes_outputs(model_folders, tmp_path):
     written = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"results.json", "report.md", "speedup_by_category.png",
             "acceptance_by_position.png", "tokens_per_forward_vs_gamma.png"} <= written
-    assert json.loads((tmp_path / "out" / "results.json").read_text())["methods"]
-    assert "| draft[k=2] |" in (tmp_path / "out" / "report.md").read_text()
+    written_results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written_results["methods"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| draft[k=2] |" in report
+    # the record names the machine, the commit and the command that produced it
+    record = written_results["provenance"]
+    assert record == results["provenance"]
+    assert record["cpu"]["model"] and record["cpu"]["logical_cpus"] >= 1
+    assert record["cpu"]["kernel_path"] in ("amx", "avx512-bf16", "none")
+    assert set(record["commit"]) == {"sha", "dirty", "version"}
+    assert record["command"] and record["recorded_at"]
+    assert f"Machine: {record['cpu']['model']}" in report
+    assert f"Command: `{record['command']}`" in report
+    if record["commit"]["sha"] is not None:  # a git checkout: the tests run from one in CI
+        assert record["commit"]["sha"] in report and isinstance(record["commit"]["dirty"], bool)
+
+
+ZEN3 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma f16c\n\n" \
+       "processor\t: 1\nmodel name\t: other\nflags\t\t: avx512_bf16 amx_tile amx_bf16\n"
+ZEN4 = "model name\t: AMD EPYC 9R14\nflags\t\t: avx2 fma f16c avx512f avx512_bf16 avx512_vnni\n"
+SAPPHIRE_RAPIDS = ("model name\t: Intel(R) Xeon(R) Platinum 8488C\nflags\t\t: avx2 fma f16c "
+                   "avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+NEOVERSE = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+@pytest.mark.parametrize("cpuinfo, model, kernel_path, has, lacks", [
+    (ZEN3, "AMD EPYC 7B13", "none", {"avx2", "fma", "f16c"}, {"avx512_bf16", "amx_bf16"}),
+    (ZEN4, "AMD EPYC 9R14", "avx512-bf16", {"avx512_bf16"}, {"amx_tile", "amx_bf16"}),
+    (SAPPHIRE_RAPIDS, "Intel(R) Xeon(R) Platinum 8488C", "amx", {"avx512_bf16", "amx_bf16"}, set()),
+    (NEOVERSE, None, "none", {"asimd", "sve", "bf16"}, set()),
+], ids=["zen3", "zen4", "sapphire-rapids", "arm"])
+def test_cpu_info_names_the_isa_that_decides_verispec_s_path(cpuinfo, model, kernel_path, has,
+                                                              lacks):
+    from verispec.bench.provenance import cpu_info
+
+    info = cpu_info(cpuinfo)
+    if model is not None:
+        assert info["model"] == model  # the first processor's block, not a later one's
+    assert info["kernel_path"] == kernel_path
+    assert all(info["isa"][flag] for flag in has)
+    assert not any(info["isa"][flag] for flag in lacks)
+    assert cpu_info("")["isa"] == {} and cpu_info("")["kernel_path"] == "none"
+
+
+def test_git_commit_names_the_commit_and_whether_the_tree_differs(tmp_path):
+    import shlex
+    import shutil
+    import subprocess
+
+    from verispec.bench.provenance import command_line, git_commit
+
+    argv = ["/opt/venv/bin/verispec", "bench", "--prompts", "my questions.jsonl", "--k", "1,auto"]
+    assert shlex.split(command_line(argv)) == ["verispec", *argv[1:]]
+    if shutil.which("git") is None:
+        pytest.skip("no git on this machine")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c",
+                               "user.email=t@t", *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    assert git_commit(repo)["sha"] is None  # not a checkout yet
+    git("init", "-q")
+    (repo / "a.txt").write_text("one")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "one")
+    clean = git_commit(repo)
+    assert clean["sha"] == git("rev-parse", "HEAD") and clean["dirty"] is False
+    (repo / "a.txt").write_text("two")
+    assert git_commit(repo)["dirty"] is True
+    (repo / "sub").mkdir()
+    assert git_commit(repo / "sub")["sha"] is None  # inside a checkout, but not its top
 
 
 def test_methods_needing_a_draft_are_skipped_with_a_note(model_folders, tmp_path):

@@ -1,4 +1,7 @@
-"""Aggregate benchmark records into per-method metrics; write results.json, report.md, plots."""
+"""Aggregate benchmark records into per-method metrics; write results.json, report.md, plots.
+
+Every written record carries its provenance (verispec.bench.provenance: the machine, the commit,
+the command line) in results.json and at the head of report.md."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from verispec.bench.provenance import markdown_lines, provenance
 from verispec.theory import expected_tokens
 
 log = logging.getLogger("verispec")
@@ -92,6 +96,9 @@ def pooled_positions(rows: list[dict]) -> list[float]:
 
 
 def write_outputs(results: dict, out: Path) -> None:
+    """results.json, report.md and the plots into `out`; adds results["provenance"] (this
+    process's machine, commit and command line) unless the caller recorded it already."""
+    results.setdefault("provenance", provenance())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -110,9 +117,10 @@ def _fmt(value, spec=".2f") -> str:
 
 def render_markdown(results: dict) -> str:
     cfg, machine = results["config"], results["machine"]
-    lines = [
-        "# verispec bench",
-        "",
+    lines = ["# verispec bench", ""]
+    if results.get("provenance"):
+        lines += [*markdown_lines(results["provenance"]), ""]
+    lines += [
         f"{len({r['question_id'] for r in results['prompts']})} prompts "
         f"({', '.join(results['categories'])}), {cfg['max_new_tokens']} new tokens, "
         f"temperature {cfg['temperature']}, K {', '.join(map(str, cfg['ks']))}, "
