@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompts per scheduler run as a multiple of the batch size: 1 = "
                             "static batches (a batch waits for its slowest row); 4 (default) = "
                             "continuous batching, rows that end replaced from the queue")
+    bench.add_argument("--llama-cpp", default=None, metavar="DIR",
+                       help="folder with llama.cpp's llama-server for the llama.cpp and "
+                            "llama.cpp-draft methods (default: PATH)")
     bench.add_argument("--out", default="bench_out")
     bench.set_defaults(run=run_bench)
 
@@ -159,7 +162,8 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed, ignore_eos=not args.stop_at_eos,
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
         batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue,
-        tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width)
+        tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width,
+        llama_cpp=args.llama_cpp)
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)

@@ -9,7 +9,8 @@ from verispec.policy import DEFAULT_TREE_WIDTH, check_tree_width, parse_k
 
 VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid")
 HF_METHODS = ("hf-baseline", "hf-assisted", "hf-ngram")
-ALL_METHODS = VERISPEC_METHODS + HF_METHODS
+LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-draft")  # llama.cpp's binaries (bench/llamacpp.py)
+ALL_METHODS = VERISPEC_METHODS + HF_METHODS + LLAMA_CPP_METHODS
 DEFAULT_METHODS = ("baseline", "ngram", "draft", "hf-baseline", "hf-ngram", "hf-assisted")
 
 
@@ -38,6 +39,7 @@ class BenchConfig:
     batch_queue: int = 4
     tree_width: int = DEFAULT_TREE_WIDTH  # a feature draft's greedy rows: trees this wide
     sampled_tree_width: int = 1  # its sampled rows
+    llama_cpp: str | None = None  # a folder holding llama-server (or DIR/bin); None: PATH
 
     def __post_init__(self) -> None:
         check_tree_width(self.tree_width)

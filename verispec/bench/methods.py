@@ -1,8 +1,9 @@
 """The methods a benchmark compares, all on the same loaded model objects.
 
 verispec methods run through `SpeculativeDecoder`; hf-* methods call transformers'
-`generate` itself (plain, `assistant_model=`, `prompt_lookup_num_tokens=`), so the comparison
-is with the peer's real code.
+`generate` itself (plain, `assistant_model=`, `prompt_lookup_num_tokens=`), and llama.cpp-*
+methods run llama.cpp's own binaries (`verispec.bench.llamacpp`), so the comparison is with the
+peers' real code.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class MethodRun:
     per_position_checked: tuple[int, ...] = ()
     expected_tokens: float | None = None
     mean_k: float | None = None
+    decode_tokens_per_s: float | None = None  # a peer's own decode-only rate (llama.cpp's)
 
 
 class VerispecMethod:

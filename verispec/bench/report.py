@@ -16,7 +16,7 @@ from verispec.theory import expected_tokens
 
 log = logging.getLogger("verispec")
 
-REFERENCE = {"verispec": "baseline", "hf": "hf-baseline"}
+REFERENCE = {"verispec": "baseline", "hf": "hf-baseline", "llama.cpp": "llama.cpp"}
 
 
 def summarise(records: list[dict], methods, ks) -> dict:

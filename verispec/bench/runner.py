@@ -17,7 +17,8 @@ from verispec.bench.batch import run_batch_bench, write_batch_outputs
 from verispec.bench.config import BenchConfig
 from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
-from verispec.bench.report import summarise, write_outputs
+from verispec.bench import llamacpp
+from verispec.bench.report import REFERENCE, summarise, write_outputs
 from verispec.decoder import SpeculativeDecoder, check_vocab, make_drafter, vocab_size
 from verispec.distill.feature import is_feature_draft
 from verispec.distill.model import is_distilled_draft, load_draft
@@ -160,6 +161,7 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                                     prompt_lookup_num_tokens=config.hf_ngram_tokens))
         elif name == "hf-assisted":
             methods.append(HFMethod(name, model, eos_ids, assistant_model=assistant_model))
+    llamacpp.add_methods(config, methods, notes)
     return methods, notes
 
 
@@ -173,7 +175,7 @@ def prompt_records(prompt, prompt_tokens: int, methods, runs: dict[str, MethodRu
     records = []
     for method in methods:
         run = runs[method.name]
-        reference = "baseline" if method.runtime == "verispec" else "hf-baseline"
+        reference = REFERENCE[method.runtime]
         equal = None
         if greedy and reference in runs and method.name != reference:
             equal = run.token_ids == runs[reference].token_ids
