@@ -1,12 +1,22 @@
 """Fire N requests from C concurrent clients at a running server and print what came back.
 
     python -m verispec.server.loadtest --url http://127.0.0.1:8000/v1 --requests 64 \
-        --concurrency 16 --max-tokens 64 [--temperature 0] [--chat] [--prompts FILE]
+        --concurrency 16 --max-tokens 64 [--temperature 0] [--chat] [--prompts FILE] [--mixed]
+        [--api-key KEY]
 
 Each client (a thread with its own `openai` client) streams its requests one after another, so
 C requests are in flight at once; time to first token is the first chunk with text, latency the
 whole stream. Prints one JSON object: requests, concurrency, errors by status, latency and TTFT
 percentiles, requests/s and generated tokens/s over the run's wall time.
+
+--mixed: request i is chat or completions, streamed or not, greedy or seeded (temperature 0.8)
+by the bits of i, and every 16th client leaves after two chunks; each distinct request is first
+sent alone, and the summary adds `lost` (no answer), `mixed` (a greedy answer other than its
+solo answer: rows mixed up), `5xx`, and how many greedy and seeded answers equal their solo
+ones (seeded ones need not: K, which the batch sets, moves the draws).
+
+--long-prompt N: one more request, a prompt of about N tokens, arrives a second into the run;
+the summary gives its status and the longest gap between two chunks of any other stream.
 """
 
 from __future__ import annotations
@@ -32,6 +42,31 @@ PROMPTS = (
 
 
 @dataclass(frozen=True, slots=True)
+class Job:
+    """One request of a mixed run, chosen by the bits of its index."""
+
+    index: int
+    prompt: str
+    chat: bool
+    stream: bool
+    seed: int | None  # None: greedy; else sampled at temperature 0.8 with this seed
+    leave: bool  # read two chunks, then disconnect
+
+    @classmethod
+    def of(cls, index: int, prompts, mixed: bool, chat: bool) -> Job:
+        prompt = prompts[index % len(prompts)]
+        if not mixed:
+            return cls(index, prompt, chat, True, None, False)
+        return cls(index, prompt, chat=bool(index & 1), stream=bool(index & 2),
+                   seed=7 if index & 4 else None, leave=index % 16 == 15)
+
+    @property
+    def solo_key(self) -> tuple:
+        """What the answer depends on: requests with one key answer alike when alone."""
+        return self.prompt, self.chat, self.seed
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     index: int  # the request's number: its prompt is prompts[index % len(prompts)]
     status: int  # 200, the error's HTTP status, or 0 when no response came
@@ -39,6 +74,8 @@ class Result:
     completion_tokens: int
     ttft_s: float | None
     latency_s: float
+    job: Job | None = None
+    gap_s: float = 0.0  # the longest wait between two chunks with text (streams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,24 +83,44 @@ class Report:
     results: list[Result]
     concurrency: int
     wall_s: float
+    solo: dict | None = None  # Job.solo_key -> the text answered alone (mixed runs)
+    long_prompt: Result | None = None
 
     def summary(self) -> dict:
-        ok = [r for r in self.results if r.status == 200]
+        stayed = [r for r in self.results if r.job is None or not r.job.leave]
+        ok = [r for r in stayed if r.status == 200]
         errors: dict[str, int] = {}
-        for result in self.results:
+        for result in stayed:
             if result.status != 200:
                 errors[str(result.status)] = errors.get(str(result.status), 0) + 1
         latency = sorted(r.latency_s for r in ok)
         ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
         tokens = sum(r.completion_tokens for r in ok)
-        return {
+        summary = {
             "requests": len(self.results), "concurrency": self.concurrency, "ok": len(ok),
             "errors": errors, "wall_s": round(self.wall_s, 3),
             "latency_s": {f"p{q}": round(percentile(latency, q), 4) for q in (50, 90, 99)},
             "ttft_s": {f"p{q}": round(percentile(ttft, q), 4) for q in (50, 90, 99)},
             "requests_per_s": round(len(ok) / self.wall_s, 2),
             "completion_tokens": tokens, "tokens_per_s": round(tokens / self.wall_s, 1),
+            "longest_gap_s": round(max((r.gap_s for r in ok), default=0.0), 4),
         }
+        if self.long_prompt is not None:
+            summary["long_prompt"] = {"status": self.long_prompt.status,
+                                      "latency_s": round(self.long_prompt.latency_s, 3)}
+        if self.solo is not None:
+            greedy = [r for r in ok if r.job.seed is None]
+            seeded = [r for r in ok if r.job.seed is not None]
+            mixed = sum(r.text != self.solo[r.job.solo_key] for r in greedy)
+            same_seeded = sum(r.text == self.solo[r.job.solo_key] for r in seeded)
+            summary.update({
+                "left_on_purpose": len(self.results) - len(stayed),
+                "lost": sum(r.status == 0 for r in stayed),
+                "5xx": sum(r.status >= 500 for r in stayed), "mixed": mixed,
+                "greedy_equal_solo": f"{len(greedy) - mixed}/{len(greedy)}",
+                "seeded_equal_solo": f"{same_seeded}/{len(seeded)}",
+            })
+        return summary
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -76,50 +133,90 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
              max_tokens: int = 64, temperature: float = 0.0, chat: bool = False,
-             model: str | None = None) -> Report:
-    """Send `requests` streaming requests, `concurrency` at a time; base_url ends with /v1."""
+             model: str | None = None, mixed: bool = False, api_key: str = "none",
+             long_prompt: int = 0) -> Report:
+    """Send `requests` requests, `concurrency` at a time; base_url ends with /v1. Streaming
+    completions (chat: chat completions) at `temperature`, or a mix (see the module doc)."""
     from openai import OpenAI
 
     local = threading.local()
 
     def client() -> OpenAI:
         if not hasattr(local, "client"):
-            local.client = OpenAI(base_url=base_url, api_key="none", max_retries=0)
+            local.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         return local.client
 
     model = model or client().models.list().data[0].id
+    jobs = [Job.of(index, prompts, mixed, chat) for index in range(requests)]
+    solo = None
+    if mixed:  # each distinct request alone first, one at a time
+        firsts = {job.solo_key: job for job in reversed(jobs)}
+        solo = {key: send(client(), model, job, max_tokens, temperature).text
+                for key, job in firsts.items()}
 
-    def one(index: int) -> Result:
-        prompt = prompts[index % len(prompts)]
-        started, ttft, pieces, tokens = time.perf_counter(), None, [], 0
-        try:
-            if chat:
-                stream = client().chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": prompt}],
-                    max_tokens=max_tokens, temperature=temperature, stream=True,
-                    stream_options={"include_usage": True})
-            else:
-                stream = client().completions.create(
-                    model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                    stream=True, stream_options={"include_usage": True})
-            for chunk in stream:
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-                for choice in chunk.choices:
-                    piece = choice.delta.content if chat else choice.text
-                    if piece:
-                        ttft = ttft if ttft is not None else time.perf_counter() - started
-                        pieces.append(piece)
-            status = 200
-        except Exception as err:  # counted by status in the report, never raised
-            status = getattr(err, "status_code", 0)
-        return Result(index, status, "".join(pieces), tokens, ttft,
-                      time.perf_counter() - started)
+    def one(job: Job) -> Result:
+        return send(client(), model, job, max_tokens, temperature)
+
+    long_result: list[Result] = []
+
+    def long_one() -> None:
+        time.sleep(1.0)
+        job = Job(-1, "the quick brown fox jumps over the lazy dog. " * (long_prompt // 10),
+                  chat=False, stream=False, seed=None, leave=False)
+        long_result.append(send(OpenAI(base_url=base_url, api_key=api_key, max_retries=0),
+                                model, job, 8, 0.0))
 
     started = time.perf_counter()
+    long_thread = threading.Thread(target=long_one)
+    if long_prompt:
+        long_thread.start()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(one, range(requests)))
-    return Report(results, concurrency, time.perf_counter() - started)
+        results = list(pool.map(one, jobs))
+    if long_prompt:
+        long_thread.join()
+    return Report(results, concurrency, time.perf_counter() - started, solo,
+                  long_result[0] if long_result else None)
+
+
+def send(client, model: str, job: Job, max_tokens: int, temperature: float) -> Result:
+    """One request -> its Result (errors counted by status, never raised)."""
+    started, ttft, pieces, tokens, gap = time.perf_counter(), None, [], 0, 0.0
+    last = started
+    args = dict(model=model, max_tokens=max_tokens, stream=job.stream,
+                temperature=temperature if job.seed is None else 0.8, seed=job.seed)
+    if job.stream:
+        args["stream_options"] = {"include_usage": True}
+    try:
+        if job.chat:
+            response = client.chat.completions.create(
+                messages=[{"role": "user", "content": job.prompt}], **args)
+        else:
+            response = client.completions.create(prompt=job.prompt, **args)
+        if not job.stream:
+            choice = response.choices[0]
+            pieces.append(choice.message.content if job.chat else choice.text)
+            tokens, ttft = response.usage.completion_tokens, time.perf_counter() - started
+        for chunks, chunk in enumerate(response if job.stream else ()):
+            if job.leave and chunks == 2:
+                response.close()
+                break
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                piece = choice.delta.content if job.chat else choice.text
+                if piece:
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - started
+                    else:
+                        gap = max(gap, now - last)
+                    last = now
+                    pieces.append(piece)
+        status = 200
+    except Exception as err:  # counted by status in the report, never raised
+        status = getattr(err, "status_code", 0)
+    return Result(job.index, status, "".join(pieces), tokens, ttft,
+                  time.perf_counter() - started, job, gap)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,12 +229,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     parser.add_argument("--prompts", type=Path, default=None, help="a file, one prompt a line")
+    parser.add_argument("--mixed", action="store_true",
+                        help="chat and completions, streamed or not, greedy and seeded, a few "
+                             "clients that leave; answers compared with each request alone")
+    parser.add_argument("--api-key", default="none", help="the server's --api-key, if any")
+    parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                        help="also send one prompt of about this many tokens a second in")
     args = parser.parse_args(argv)
     prompts = PROMPTS
     if args.prompts:
         prompts = tuple(line for line in args.prompts.read_text().splitlines() if line.strip())
     report = run_load(args.url, args.requests, args.concurrency, prompts, args.max_tokens,
-                      args.temperature, args.chat)
+                      args.temperature, args.chat, mixed=args.mixed, api_key=args.api_key,
+                      long_prompt=args.long_prompt)
     print(json.dumps(report.summary(), indent=2))
 
 
