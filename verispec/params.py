@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+VERIFY_METHODS = ("block", "token", "invariant")  # how a sampled draft is verified
+
 MAX_SEED = 2**64 - 1  # a torch.Generator's seed is 64 bits; negatives would alias big ones
 MIN_TEMPERATURE = 1e-6  # below it float32 logits / temperature overflow to inf, and warp to NaN
 
@@ -16,6 +18,22 @@ class SamplingParams:
     Otherwise the target's logits are warped in this order: temperature, top-k, top-p,
     min-p; the draft's logits go through the very same warping, and the speculative
     output is distributed exactly as sampling from the warped target.
+
+    verify chooses how a sampled draft is verified (greedy decoding ignores it: it matches
+    argmaxes, and its output is already the same whatever the drafter):
+      "block" (default)  block verification (verify.block_verify) for chains with draft
+            probabilities: the same law as "token", never fewer accepted tokens on average. A
+            draft without probabilities (n-gram lookup, predictions) has q a point mass on each
+            token, and there block and token-wise verification have the same law of accepted
+            length and next token (P(tau >= i) = prod p(x_j) either way), so either runs. Sampled
+            trees keep their multi-candidate rule (verify.rejection_sample_tree): block
+            verification is defined for one chain, and a tree's siblings already recover what a
+            rejected child loses.
+      "token"  token-wise rejection sampling (verify.rejection_sample).
+      "invariant"  drafter-invariant sampling: plain decoding and every drafter draw with noise
+            keyed by (seed, absolute position), so the output is token for token the output of
+            plain sampling with this seed, alone or in any batch, with any drafter or K. It
+            needs a seed (the noise is a function of it): without one it is refused.
     """
 
     max_new_tokens: int = 128
@@ -26,6 +44,7 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    verify: str = "block"  # "block" | "token" | "invariant"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +70,11 @@ class SamplingParams:
                f"seed must be in [0, 2**64), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
+        _check(self.verify in VERIFY_METHODS,
+               f"verify must be one of {VERIFY_METHODS}, got {self.verify!r}")
+        _check(self.verify != "invariant" or self.greedy or self.seed is not None,
+               "verify='invariant' needs a seed: its draws are keyed by (seed, position), so "
+               "pass seed=<int> (or use verify='block' or 'token')")
 
     @property
     def greedy(self) -> bool:

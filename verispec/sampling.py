@@ -134,7 +134,7 @@ _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _SEED_SALT = 0x5851F42D4C957F2D  # separates the seed's stream from the positions'
 
 
-def _int64(value: int) -> int:
+def wrap_int64(value: int) -> int:
     """An integer taken mod 2^64, as the signed int64 with those bits."""
     value %= 1 << 64
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -149,7 +149,7 @@ def _mix64_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
         torch.bitwise_right_shift(x, bits, out=scratch)
         x ^= scratch.bitwise_and_((1 << (64 - bits)) - 1)
         if multiplier is not None:
-            x *= _int64(multiplier)
+            x *= wrap_int64(multiplier)
     return x
 
 
@@ -166,7 +166,7 @@ def _as_int64(values: int | Sequence[int] | torch.Tensor, device: torch.device |
         values, shape = list(values), (len(values),)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise ValueError(f"seeds and positions must be integers, got {values!r}")
-    return torch.tensor([_int64(v) for v in values], dtype=torch.int64,
+    return torch.tensor([wrap_int64(v) for v in values], dtype=torch.int64,
                         device=device).reshape(shape)
 
 
@@ -195,8 +195,8 @@ def _position_exponentials(seed: int | Sequence[int] | torch.Tensor,
         raise ValueError(f"a position must be >= 0, got {position}")
     seeds, positions = _as_int64(seed, device), _as_int64(position, device)
     seeds, positions = torch.broadcast_tensors(seeds.to(positions.device), positions)
-    key = _mix64_(seeds ^ _int64(_SEED_SALT), torch.empty_like(seeds))
-    key = _mix64_(key + (positions + 1) * _int64(_GOLDEN), torch.empty_like(key))  # [...]
+    key = _mix64_(seeds ^ wrap_int64(_SEED_SALT), torch.empty_like(seeds))
+    key = _mix64_(key + (positions + 1) * wrap_int64(_GOLDEN), torch.empty_like(key))  # [...]
     bits = key.unsqueeze(-1) + _token_counters(vocab_size, key.device)  # [..., V]
     scratch = torch.empty_like(bits)
     _mix64_(bits, scratch)
@@ -209,7 +209,7 @@ def _position_exponentials(seed: int | Sequence[int] | torch.Tensor,
 def _token_counters(vocab_size: int, device: torch.device) -> torch.Tensor:
     """(token + 1) * golden for every token [V] int64: the per-token half of the hash's input,
     the same for every position (kept, not rebuilt every draw)."""
-    return torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * _int64(_GOLDEN)
+    return torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * wrap_int64(_GOLDEN)
 
 
 def invariant_draw(probs: torch.Tensor, seed: int | Sequence[int] | torch.Tensor,
