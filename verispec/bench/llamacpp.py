@@ -43,8 +43,9 @@ SERVER = "llama-server"
 # (--spec-draft-n-max, --spec-draft-p-min): short and long drafts, each without and with
 # llama.cpp's confidence cut (it stops drafting when the draft's top token is below p-min).
 DEFAULT_SWEEP = ((3, 0.0), (3, 0.75), (8, 0.0), (8, 0.75))
-CONTEXT = 8192  # KV slots of each server: the longest prompt plus its new tokens must fit
+CONTEXT = 4096  # KV slots of each server: the longest prompt plus its new tokens must fit
 START_TIMEOUT_S = 600.0
+LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an http_proxy
 
 
 class LlamaCppError(RuntimeError):
@@ -117,13 +118,14 @@ class LlamaServer:
                                         stdout=self._log, stderr=subprocess.STDOUT)
         weakref.finalize(self, _stop, self.process)
         deadline = time.monotonic() + START_TIMEOUT_S
-        # 1. wait until the model is loaded: /health answers 503 while loading, 200 when ready
+        # the model is loaded when /health answers 200 (503 while loading)
         while True:
             if self.process.poll() is not None:
-                raise LlamaCppError(f"{self.spec.binary.name} exited with status "
-                                    f"{self.process.returncode} while starting: {self.log_tail()}")
+                status, self.process = self.process.returncode, None
+                raise LlamaCppError(f"{self.spec.binary.name} exited with status {status} "
+                                    f"while starting: {self.log_tail()}")
             try:
-                with urllib.request.urlopen(self._url("/health"), timeout=5) as answer:
+                with LOCAL.open(self._url("/health"), timeout=5) as answer:
                     if answer.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -140,7 +142,7 @@ class LlamaServer:
         http = urllib.request.Request(self._url("/completion"), data=body,
                                       headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(http, timeout=3600) as answer:
+            with LOCAL.open(http, timeout=3600) as answer:
                 return json.loads(answer.read())
         except urllib.error.HTTPError as err:
             raise LlamaCppError(f"llama-server answered {err.code}: "
