@@ -12,7 +12,8 @@ import torch
 from conftest import always_accept, chi2_pvalue, perturbed_copy, tiny_gpt2, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec import engine as engine_module
+from verispec.costs import CostModel
+from verispec import scheduler as scheduler_module
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.drafters.batch import propose_batch
 from verispec.runtime import make_runner
@@ -194,14 +195,11 @@ def batched_counts(target, draft, k: int | str = 3) -> torch.Tensor:
     """First two tokens of the measured request, ROWS_PER_BATCH copies (own seeds) per batch,
     mixed with greedy, top-k and longer requests on other prompts. k="auto" runs on fixed
     prices where drafting pays and each row's chain is cut at the batch's prices
-    (`Scheduler._allocate`), by acceptance estimates that change from round to round."""
+    (`RoundPlanner._allocate`), by acceptance estimates that change from round to round."""
+    prices = CostModel(0.0, (1.0, 1.25, 1.35, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1), 1e-3)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(make_runner(draft, "native"), V),
-                                 k=k, runtime="native")
+                                 k=k, runtime="native", costs=prices)
     if k == "auto":
-        from verispec.policy import CostModel
-
-        prices = CostModel(0.0, (1.0, 1.25, 1.35, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1), 1e-3)
-        decoder._costs = prices
         decoder.batch_costs = lambda batch: prices
     counts = torch.zeros(V, V, dtype=torch.float64)
     others = [([4, 5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True)),
@@ -231,7 +229,7 @@ def test_negative_control_always_accept_in_a_batch_is_detected(small_pair, monke
     target, draft = small_pair
     joint = native_joint(target)
     assert 0.5 * (joint - native_joint(draft)).abs().sum() > 0.1
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    monkeypatch.setattr(scheduler_module, "rejection_sample", always_accept)
     assert chi2_pvalue(batched_counts(target, draft), joint) < 1e-6
     assert chi2_pvalue(batched_counts(target, draft, "auto"), joint) < 1e-6  # drafts are verified
 
@@ -241,7 +239,6 @@ def test_batch_costs_time_drafting_the_way_the_scheduler_drafts(text_pair, token
     """A batch's draft step c is timed with the proposals the scheduler makes at that size:
     chains where greedy rows do not draft trees (a tree's first step costs more)."""
     import verispec.drafters.batch as batch_module
-    from verispec.scheduler import TREE_MAX_BATCH
 
     asked = []
     real = batch_module.propose_batch
@@ -255,7 +252,7 @@ def test_batch_costs_time_drafting_the_way_the_scheduler_drafts(text_pair, token
     for size in (2, 4):
         asked.clear()
         decoder.batch_costs(size)
-        assert asked and set(asked) == {size <= TREE_MAX_BATCH}
+        assert asked and set(asked) == {size <= decoder.config.tree_max_batch}
 
 
 def test_a_batch_verifies_only_the_lookup_tokens_that_pay_for_every_row(text_pair, tokenizer,
@@ -263,8 +260,6 @@ def test_a_batch_verifies_only_the_lookup_tokens_that_pay_for_every_row(text_pai
     """Under K "auto", a batch's chains are cut at the batch's prices (theory.batch_allocation):
     where an extra position costs a whole step no lookup token is verified; where it is free,
     lookups are verified; the outputs are the solo ones either way."""
-    from verispec.policy import CostModel
-
     decoder = decoder_for("ngram", *text_pair, tokenizer, k="auto")
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     alone = [decoder.generate(p, params).token_ids for p in PROMPTS]

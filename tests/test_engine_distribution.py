@@ -13,7 +13,7 @@ import torch
 from conftest import always_accept, chi2_pvalue, perturbed_copy, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec import engine as engine_module
+from verispec import scheduler as scheduler_module
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.sampling import warp
 
@@ -78,7 +78,7 @@ def test_negative_control_always_accept_is_detected(target, draft, monkeypatch):
     params = SETTINGS["temperature 1"]
     target_joint, draft_joint = exact_joint(target, params), exact_joint(draft, params)
     assert 0.5 * (target_joint - draft_joint).abs().sum() > 0.1
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    monkeypatch.setattr(scheduler_module, "rejection_sample", always_accept)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V), k=3)
     assert chi2_pvalue(sampled_joint(decoder, params), target_joint) < 1e-6
 

@@ -10,15 +10,8 @@ from conftest import EOS_ID, perturbed_copy
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import ModelDrafter, NgramDrafter
-from verispec.policy import (
-    AcceptanceEstimate,
-    AdaptiveK,
-    CostModel,
-    FixedK,
-    HeuristicK,
-    measure_costs,
-    parse_k,
-)
+from verispec.costs import CostModel, measure_costs, verify_curve
+from verispec.policy import AcceptanceEstimate, AdaptiveK, FixedK, HeuristicK, parse_k
 from verispec.runtime import HFRunner
 from verispec.theory import optimal_k
 
@@ -28,19 +21,42 @@ def test_heuristic_schedule_plus_two_minus_one():
     ks = []
     for drafted_accepted in [(5, 5), (7, 2), (6, 6), (8, 8), (8, 0), (7, 0)]:
         policy.update(0, *drafted_accepted)
-        ks.append(policy.next_k())
+        ks.append(policy.next_k(None))
     assert ks == [7, 6, 8, 8, 7, 6]
     policy = HeuristicK(k=1)
     policy.update(0, 1, 0)
-    assert policy.next_k() == 1  # never below 1
+    assert policy.next_k(None) == 1  # never below 1
 
 
 def costs(draft_step, verify):
     return CostModel(draft_step=draft_step, verify=tuple(verify), target_step_s=0.05)
 
 
+class Priced:
+    """An AdaptiveK with the prices the round planner would hand it bound in (at a context),
+    so a test reads as one row's decisions round after round."""
+
+    def __init__(self, prices: CostModel, estimates=None, tree_width: int = 1,
+                 sampling: bool = False) -> None:
+        self.prices, self.width = prices, tree_width
+        self.policy = AdaptiveK(estimates=estimates if estimates is not None else {},
+                                sampling=sampling)
+
+    def next_k(self, free=False, context=0):
+        return self.policy.next_k(self.prices.at(context), self.width, free)
+
+    def keep(self, source, proposed, context=0):
+        return self.policy.keep(self.prices.at(context), self.width, source, proposed)
+
+    def tree_size(self, scores, context=0, depth=1):
+        return self.policy.tree_size(self.prices.at(context), scores, depth)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
 def test_adaptive_k_follows_acceptance():
-    policy = AdaptiveK(costs(0.05, [1.0] + [1.05] * 8))  # a draft model: K chosen up front
+    policy = Priced(costs(0.05, [1.0] + [1.05] * 8))  # a draft model: K chosen up front
     start = policy.next_k()
     for _ in range(10):
         k = policy.next_k()
@@ -52,7 +68,7 @@ def test_adaptive_k_follows_acceptance():
 
 
 def test_adaptive_k_is_zero_when_speculation_cannot_pay():
-    policy = AdaptiveK(costs(1.0, [1.0, 2.0, 3.0, 4.0]))  # a draft as slow as the target
+    policy = Priced(costs(1.0, [1.0, 2.0, 3.0, 4.0]))  # a draft as slow as the target
     assert policy.next_k() == 0
 
 
@@ -61,7 +77,7 @@ def test_a_weak_drafts_estimate_settles_near_its_acceptance_and_it_stops_draftin
     accepted 21% of the time (K = 1 each round, so 1 in 5 rounds accepts) with c = 0.06 and
     v(2) = 1.12 breaks even at gamma ~0.18; its estimate must settle close to 0.21, and K at 0
     after a few rounds of K = 0 plus a retry."""
-    policy = AdaptiveK(costs(0.064, [1.0, 1.12, 1.12, 1.35]))
+    policy = Priced(costs(0.064, [1.0, 1.12, 1.12, 1.35]))
     estimates = []
     for round in range(200):
         policy.update(0, 1, int(round % 5 == 0))  # one accepted in five
@@ -72,7 +88,7 @@ def test_a_weak_drafts_estimate_settles_near_its_acceptance_and_it_stops_draftin
 
 
 def test_adaptive_k_probes_again_after_a_bad_patch():
-    policy = AdaptiveK(costs(0.02, [1.0, 1.3, 1.5, 1.7, 1.9]))
+    policy = Priced(costs(0.02, [1.0, 1.3, 1.5, 1.7, 1.9]))
     for _ in range(20):
         policy.update(0, 2, 0)
     assert policy.next_k() == 0
@@ -83,7 +99,7 @@ def test_adaptive_k_probes_again_after_a_bad_patch():
 
 def test_free_drafts_are_trimmed_per_source():
     """n-gram proposals cost nothing: ask for k_max, verify as many as the source earns."""
-    policy = AdaptiveK(costs(0.001, [1.0, 1.2, 1.3, 1.5, 1.55, 1.6, 1.8, 1.9, 2.0]))
+    policy = Priced(costs(0.001, [1.0, 1.2, 1.3, 1.5, 1.55, 1.6, 1.8, 1.9, 2.0]))
     assert policy.next_k() == 8
     for _ in range(20):
         policy.update(1, 1, 0)  # one-token matches: rejected
@@ -96,7 +112,7 @@ def test_free_drafts_are_trimmed_per_source():
 
 def test_a_lookup_next_to_a_costly_draft_still_proposes_the_most():
     """Hybrid drafting: a draft model that is rejected earns K = 0, but its lookup is free."""
-    policy = AdaptiveK(costs(0.2, [1.0, 1.05, 1.1, 1.15, 1.2]))
+    policy = Priced(costs(0.2, [1.0, 1.05, 1.1, 1.15, 1.2]))
     for _ in range(20):
         policy.update(0, 2, 0)  # the draft model's tokens: rejected
     assert policy.next_k() == 0
@@ -123,12 +139,12 @@ def test_trees_are_priced_by_their_nodes():
     # between measured positions along the line joining them
     assert chain.v(2.5) == pytest.approx(1.03)
     assert chain.tree(3, nodes=1.5).verify[:3] == pytest.approx((1.0, 1.03, 1.06))
-    policy = AdaptiveK(chain, tree_width=3, sampling=True)  # sampled rows: trees drafted whole
+    policy = Priced(chain, tree_width=3, sampling=True)  # sampled rows: trees drafted whole
     for _ in range(20):
         policy.update(0, 2, 1)  # half the depths accepted
     assert policy.next_k() == optimal_k(policy.gamma(0), 0.05, tree.verify, tree.k_max)
-    assert policy.next_k() < AdaptiveK(chain, policy.estimates).next_k()  # dearer per depth
-    assert policy.keep(3, 4) == AdaptiveK(chain, policy.estimates).keep(3, 4)  # lookups: chains
+    assert policy.next_k() < Priced(chain, policy.estimates).next_k()  # dearer per depth
+    assert policy.keep(3, 4) == Priced(chain, policy.estimates).keep(3, 4)  # lookups: chains
 
 
 def test_cut_trees_are_priced_by_the_nodes_the_cut_keeps():
@@ -137,8 +153,8 @@ def test_cut_trees_are_priced_by_the_nodes_the_cut_keeps():
     narrow tree would pay for."""
     steep = costs(0.05, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8])  # +0.1 a position
     estimates = {0: AcceptanceEstimate(prior=0.5)}
-    whole = AdaptiveK(steep, dict(estimates), tree_width=8, sampling=True)
-    cut = AdaptiveK(steep, dict(estimates), tree_width=8)
+    whole = Priced(steep, dict(estimates), tree_width=8, sampling=True)
+    cut = Priced(steep, dict(estimates), tree_width=8)
     assert whole.next_k() == 0  # 8 nodes + root: v(9) = 1.8 for one depth
     assert cut.next_k() == optimal_k(0.5, 0.05, steep.tree(8, nodes=1).verify, 1) == 1
     three = torch.tensor([0.6, 0.3, 0.2, 0.01, 0.01]).log()
@@ -164,7 +180,7 @@ def test_costs_are_priced_at_the_sequences_context():
     with pytest.raises(ValueError, match="at a context"):
         two.tree(3)
     # a long sequence drafts no deeper than a short one, and here less
-    policy = AdaptiveK(two)
+    policy = Priced(two)
     for _ in range(20):
         policy.update(0, 4, 1)  # gamma ~ 0.5
     assert policy.next_k(context=2000) < policy.next_k(context=100)
@@ -182,8 +198,8 @@ def test_a_draft_models_step_is_priced_at_the_context_where_it_was_timed_at_both
     flat = dataclasses.replace(two, long_draft_step=None)
     assert flat.at(1024).draft_step == pytest.approx(0.05)  # not timed there: unchanged
     estimates = {0: AcceptanceEstimate(prior=0.6)}
-    assert AdaptiveK(two, dict(estimates)).next_k(context=1024) < \
-        AdaptiveK(flat, dict(estimates)).next_k(context=1024)
+    assert Priced(two, dict(estimates)).next_k(context=1024) < \
+        Priced(flat, dict(estimates)).next_k(context=1024)
 
 
 def test_sampled_rows_pay_for_sampling_each_drafted_token():
@@ -194,14 +210,14 @@ def test_sampled_rows_pay_for_sampling_each_drafted_token():
     assert model.sampled().draft_step == pytest.approx(0.25)
     assert model.sampled().sampling_step == 0.0
     estimates = {0: AcceptanceEstimate(prior=0.3)}
-    greedy = AdaptiveK(model, dict(estimates))
-    sampled = AdaptiveK(model, dict(estimates), sampling=True)
+    greedy = Priced(model, dict(estimates))
+    sampled = Priced(model, dict(estimates), sampling=True)
     assert greedy.next_k() >= 1 and sampled.next_k() == 0
     assert sampled.next_k() == optimal_k(0.3, 0.25, model.verify, model.k_max)
 
 
 def test_a_trees_size_is_what_its_probabilities_pay_for():
-    policy = AdaptiveK(costs(0.05, [1.0, 1.05, 1.10, 1.15, 1.20]))  # +0.05 a position
+    policy = Priced(costs(0.05, [1.0, 1.05, 1.10, 1.15, 1.20]))  # +0.05 a position
     confident = torch.tensor([0.9, 0.8, 0.05, 0.04, 0.03, 0.02]).log()
     assert policy.tree_size(confident) == 2  # the two likely tokens; the rest cost more
     assert policy.tree_size(torch.tensor([0.01, 0.01]).log()) == 0  # nothing pays
@@ -212,7 +228,7 @@ def test_a_trees_size_is_what_its_probabilities_pay_for():
         policy.update_tree(2.0, 1)
     assert policy.calibration.gamma == pytest.approx(0.5, abs=0.1)
     assert policy.tree_size(likely) == 1
-    assert FixedK(3).tree_size(confident) == 6
+    assert FixedK(3).tree_size(None, confident) == 6
 
 
 def test_optimal_k_with_a_verify_curve():
@@ -235,14 +251,24 @@ def test_measure_costs_on_a_real_runtime(text_target):
 
 @pytest.mark.parametrize("k", ["auto", "heuristic"])
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_variable_k_keeps_greedy_exact(text_target, tokenizer, k, drafter):
+def test_variable_k_speculates_and_keeps_greedy_exact(text_target, tokenizer, k, drafter):
+    """Under k="auto" and "heuristic" the decoder must actually draft and accept tokens (a
+    cheap draft's prices are given: measured, a same-size draft would price K to 0 and this
+    would compare plain decoding with itself) and still emit plain greedy's tokens."""
     draft = (ModelDrafter(perturbed_copy(text_target, 0.02, 0), EOS_ID + 1)
              if drafter == "model" else NgramDrafter())
-    spec = SpeculativeDecoder(text_target, tokenizer, draft, k=k)
+    cheap = CostModel(draft_step=0.05, verify=(1.0,) + (1.02,) * 8, target_step_s=0.01)
+    spec = SpeculativeDecoder(text_target, tokenizer, draft, k=k, costs=cheap)
     plain = SpeculativeDecoder(text_target, tokenizer, None)
     params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    drafted = accepted = 0
     for prompt in ["hello world, hello world", "abcabcabc"]:
-        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+        out = spec.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        drafted += out.stats.drafted
+        accepted += out.stats.accepted
+    assert drafted > 0 and accepted > 0
+    assert out.stats.target_forwards < params.max_new_tokens  # fewer passes than tokens
 
 
 @pytest.mark.parametrize("bad", [-1, "fast", 1.5, None])
@@ -256,8 +282,6 @@ def test_parse_k_accepts_cli_strings():
 
 
 def test_verify_curve_lowers_a_noise_spike_instead_of_spreading_it():
-    from verispec.policy import verify_curve
-
     # a spike at 2 positions (seen in a benchmark: it made every K look twice as dear)
     assert verify_curve([0.040, 0.077, 0.042, 0.044]) == pytest.approx((1.0, 1.05, 1.05, 1.1))
     assert verify_curve([0.040, 0.038, 0.050]) == pytest.approx((1.0, 1.0, 1.25))

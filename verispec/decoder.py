@@ -11,37 +11,23 @@ import torch
 from transformers import PreTrainedModel
 
 from verispec import loading
-from verispec.drafters import Drafter, FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from verispec.drafters import Drafter
 from verispec.drafters.base import follow_target
-from verispec.drafters.hybrid import tree_width_of
-from verispec.engine import speculate
-from verispec.errors import IncompatibleDraftError
+from verispec.config import DEFAULT_TREE_WIDTH, DecodeConfig, check_tree_width
+from verispec.costs import CostModel, measure_batch_costs, measure_costs
+from verispec.drafters.load import load_drafter
 from verispec.params import SamplingParams
-from verispec.policy import (
-    DEFAULT_TREE_WIDTH,
-    AdaptiveK,
-    CostModel,
-    FixedK,
-    HeuristicK,
-    KPolicy,
-    check_tree_width,
-    measure_batch_costs,
-    measure_costs,
-    parse_k,
-)
+from verispec.policy import AdaptiveK, FixedK, HeuristicK, KPolicy, parse_k
 from verispec.runtime import RUNTIMES, Runner, make_runner
-from verispec.sampling import make_generator
-from verispec.scheduler import TREE_MAX_BATCH, Scheduler
+from verispec.scheduler import Scheduler
 from verispec.stats import GenerationStats, StatsRecorder
 from verispec.text import TextStream
+from verispec.vocab import eos_ids
 
 log = logging.getLogger("verispec")
 
 Prompt = str | Sequence[int]
-DEFAULT_K = "auto"  # won the K sweep on Spec-Bench against every fixed K and the heuristic
-HEURISTIC_START_K = 5
-AUTO_K_MAX = 8
-COST_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch cost models are measured at these sizes
+DEFAULT_K = "auto"  # chosen each round from measured costs (docs/choosing-k.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +59,15 @@ class SpeculativeDecoder:
         runtime: str | Runner = "auto",
         dtype: str = "auto",
         int8: bool = False,
+        config: DecodeConfig | None = None,
+        costs: CostModel | None = None,
     ) -> None:
         """runtime: "auto", "hf" or "native" (see `verispec.runtime.make_runner`, which also
         explains dtype and int8), or a runner already built for `target`, to share one between
-        decoders."""
+        decoders. config: the decode loop's knobs (verispec.config.DecodeConfig). costs: the
+        one-row cost model to price rounds with instead of measuring it (`verispec costs`)."""
         k = parse_k(k)
+        self.config = config or DecodeConfig()
         if isinstance(runtime, Runner):
             self.target = runtime
         else:
@@ -87,18 +77,19 @@ class SpeculativeDecoder:
         follow_target(drafter, self.target)
         self.k = k if drafter is not None else 0
         self.chat = chat
-        self.eos_ids = _eos_ids(target, tokenizer)
-        self._costs: CostModel | None = None
+        self.eos_ids = eos_ids(target, tokenizer)
+        self._costs: CostModel | None = costs
         self._batch_costs: dict[int, CostModel] = {}
 
     @property
     def costs(self) -> CostModel:
         """The measured cost model (draft step and verification costs), measured once."""
         if self._costs is None:
-            self._costs = measure_costs(self.target, self.drafter, k_max=AUTO_K_MAX, repeats=5)
+            self._costs = measure_costs(self.target, self.drafter,
+                                        k_max=self.config.auto_k_max, repeats=5)
             log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s (after %d tokens; "
                      "after %d: %s, c=%s), target step %.1f ms",
-                     self._costs.draft_step, AUTO_K_MAX + 1,
+                     self._costs.draft_step, self.config.auto_k_max + 1,
                      " ".join(f"{v:.2f}" for v in self._costs.verify), self._costs.contexts[0],
                      self._costs.contexts[1],
                      " ".join(f"{v:.2f}" for v in self._costs.long_verify or ()) or "-",
@@ -110,14 +101,15 @@ class SpeculativeDecoder:
     def batch_costs(self, batch: int) -> CostModel:
         """The cost model of a batch of this size (rounded up to a measured size), in units of
         a plain batched step; measured once per size."""
-        size = next((b for b in COST_BATCH_SIZES if b >= batch), COST_BATCH_SIZES[-1])
+        size = self.config.cost_batch_size(batch)
         if size == 1:
             return self.costs
         if size not in self._batch_costs:
-            costs = measure_batch_costs(self.target, self.drafter, batch=size,
-                                        k_max=AUTO_K_MAX, greedy_trees=size <= TREE_MAX_BATCH)
+            k_max = self.config.auto_k_max
+            costs = measure_batch_costs(self.target, self.drafter, batch=size, k_max=k_max,
+                                        greedy_trees=size <= self.config.tree_max_batch)
             log.info("cost model at batch %d: c=%.3f, v(1..%d)=%s", size, costs.draft_step,
-                     AUTO_K_MAX + 1, " ".join(f"{v:.2f}" for v in costs.verify))
+                     k_max + 1, " ".join(f"{v:.2f}" for v in costs.verify))
             self._batch_costs[size] = costs
         return self._batch_costs[size]
 
@@ -128,13 +120,13 @@ class SpeculativeDecoder:
             self.drafter.reset()
 
     def new_policy(self, params: SamplingParams | None = None) -> KPolicy:
-        """A fresh K policy for one request (with these params: the width of its trees)."""
+        """A fresh K policy for one request (sampled rows price their drafts' sampling)."""
         if self.k == "auto":
+            self.costs  # measured once, before any request is timed
             params = params or SamplingParams()
-            return AdaptiveK(self.costs, tree_width=tree_width_of(self.drafter, params),
-                             sampling=not params.greedy)
+            return AdaptiveK(self.config, sampling=not params.greedy)
         if self.k == "heuristic":
-            return HeuristicK(k=HEURISTIC_START_K)
+            return HeuristicK(k=self.config.heuristic_start_k)
         return FixedK(self.k)
 
     @classmethod
@@ -150,6 +142,8 @@ class SpeculativeDecoder:
         int8: bool = False,
         tree_width: int = DEFAULT_TREE_WIDTH,
         sampled_tree_width: int = 1,
+        config: DecodeConfig | None = None,
+        dequantize: str | None = None,
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (a draft shipped for the target, with lookup; else n-gram lookup),
@@ -161,18 +155,21 @@ class SpeculativeDecoder:
         on the native CPU runtime, float32 on hf), "float32", "bfloat16" or "float16". int8:
         weight-only int8 layers (native runtime; bfloat16 activations). tree_width: greedy
         rows of a feature draft propose token trees this wide (1: chains); sampled_tree_width:
-        sampled rows (default 1: chains; see README, *Token trees*)."""
+        sampled rows (default 1: chains; docs/token-trees.md). config: the decode loop's knobs.
+        dequantize: None (a quantized GGUF target runs at its own bit width under dtype "auto")
+        or "bf16" (transformers dequantises it; the native runtime keeps bfloat16)."""
         k = parse_k(k)
         check_tree_width(tree_width)
         check_tree_width(sampled_tree_width)
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-        model, tokenizer = loading.load(target, dtype=dtype, device=device)
-        drafter = make_drafter(draft, model, tokenizer, dtype=dtype, device=device,
+        model, tokenizer = loading.load(target, dtype=dtype, device=device,
+                                        dequantize=dequantize)
+        drafter = load_drafter(draft, model, tokenizer, dtype=dtype, device=device,
                                runtime=runtime, int8=int8, target_spec=target,
                                tree_width=tree_width, sampled_tree_width=sampled_tree_width)
         return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
-                   int8=int8)
+                   int8=int8, config=config)
 
     def generate(self, prompt: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None,
@@ -205,33 +202,22 @@ class SpeculativeDecoder:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool | None = None) -> Iterator[StreamChunk]:
         """Yield new text and ids after every verification round; the last chunk carries the
-        whole output and its stats. Bad input raises here, before the first chunk."""
-        params = params or SamplingParams()
-        prompt_ids = self.encode(prompt, self.chat if chat is None else chat)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
-        return self._stream(prompt_ids, params)
+        whole output and its stats. Bad input raises here, before the first chunk.
 
-    def _stream(self, prompt_ids: torch.Tensor, params: SamplingParams
-                ) -> Iterator[StreamChunk]:
-        policy = self.new_policy(params)  # may measure the cost model once: not timed
-        stats = StatsRecorder(k=self.k)
-        text = TextStream(self.tokenizer, params.stop)
-        generator = make_generator(params.seed, self.target.device)
-        rounds = speculate(self.target, self.drafter, prompt_ids, params, policy, self.eos_ids,
-                           generator, stats)
-        last_piece, last_ids = "", []
-        for new_ids in rounds:
-            start = len(text.ids)
-            piece = text.add(new_ids)
-            if text.stopped:
-                rounds.close()
-                last_piece, last_ids = piece, text.ids[start : text.num_tokens]
-                break
-            yield StreamChunk(piece, new_ids)
-        else:
-            last_piece = text.flush()
-        yield StreamChunk(last_piece, last_ids, self.make_output(text, params, stats))
+        A lone prompt is a batch of one of the scheduler, on the decoder's own runner and
+        drafter (so a prompt that shares a prefix with the previous one reuses its cache)."""
+        scheduler = Scheduler(self, max_batch=1, runners=[self.target],
+                              drafters=[self.drafter] if self.drafter is not None else [])
+        scheduler.add(prompt, params or SamplingParams(), chat=chat)
+        return self._chunks(scheduler)
+
+    @staticmethod
+    def _chunks(scheduler: Scheduler) -> Iterator[StreamChunk]:
+        while scheduler.has_work:
+            for event in scheduler.step():
+                if event.error is not None:
+                    raise event.error
+                yield StreamChunk(event.text, event.token_ids, event.output)
 
     def make_output(self, text: TextStream, params: SamplingParams, stats: StatsRecorder
                     ) -> GenerationOutput:
@@ -275,85 +261,3 @@ def _is_batch(prompt) -> bool:
     return isinstance(prompt, list | tuple) and bool(prompt) and all(
         isinstance(p, str | list | tuple) for p in prompt)
 
-
-def make_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
-                 device: str = "cpu", runtime: str = "auto", int8: bool = False,
-                 target_spec=None, tree_width: int = DEFAULT_TREE_WIDTH,
-                 sampled_tree_width: int = 1) -> Drafter | None:
-    """Build the drafter that `draft` names: None / "none", "ngram", a model path, or "default":
-    the draft shipped for the target (`target_spec`, as given to `loading.load`), if any, paired
-    with n-gram lookup as "hybrid" does, else n-gram lookup; "hybrid" / "hybrid:PATH": n-gram
-    lookup where the text repeats itself, the shipped draft (or the one at PATH) elsewhere. A
-    draft model runs on the same runtime, dtype and quantization as the target. tree_width:
-    how wide the token trees a feature draft proposes for greedy rows are, sampled_tree_width
-    for sampled rows (1: chains)."""
-    check_tree_width(tree_width)
-    check_tree_width(sampled_tree_width)
-    if draft is None or draft == "none":
-        return None
-    if draft == "default":  # the shipped draft with lookup where the text repeats, else lookup
-        shipped = loading.default_draft(target_spec)
-        # (the shipped draft reads the target's features, which transformers' runtime lacks)
-        draft = "ngram" if shipped is None or runtime == "hf" else f"hybrid:{shipped}"
-    if draft == "ngram":
-        return NgramDrafter()
-    if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):
-        # "hybrid" (the shipped draft) or "hybrid:PATH": lookup where the text repeats itself
-        model_draft = draft.partition(":")[2] or loading.default_draft(target_spec)
-        if model_draft is None:
-            raise IncompatibleDraftError("no draft is shipped for this target: use "
-                                         "hybrid:PATH with a draft model folder")
-        drafter = make_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8,
-                               tree_width=tree_width, sampled_tree_width=sampled_tree_width)
-        if not isinstance(drafter, ModelDrafter | FeatureDrafter):
-            raise IncompatibleDraftError(f"hybrid lookup pairs n-grams with a draft model; "
-                                         f"{model_draft} is a {drafter.name} draft")
-        return HybridDrafter(drafter)
-    from verispec.distill.feature import is_feature_draft, load_feature_weights
-    from verispec.distill.model import is_distilled_draft, load_draft  # on use: no import cycle
-
-    if is_feature_draft(draft):  # reads the target's features: built when it meets the runner
-        weights, head_token_ids, taps = load_feature_weights(draft, target, tokenizer)
-        return FeatureDrafter(weights, head_token_ids, target, vocab_size(target), taps,
-                              tree_width, sampled_tree_width)
-    if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
-        draft_model, head_token_ids = load_draft(draft, target, tokenizer)
-        runner = make_runner(draft_model, runtime, dtype=dtype, int8=int8)
-        return ModelDrafter(runner, vocab_size(target), head_token_ids=head_token_ids)
-    draft_model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device)
-    check_vocab(target, tokenizer, draft_model, draft_tokenizer)
-    runner = make_runner(draft_model, runtime, dtype=dtype, int8=int8)
-    return ModelDrafter(runner, target_vocab_size=vocab_size(target))
-
-
-def check_vocab(target: PreTrainedModel, tokenizer, draft: PreTrainedModel, draft_tokenizer
-                ) -> None:
-    """The draft must speak the target's tokenizer. Embedding tables may differ only by padding
-    rows beyond the tokenizer's size."""
-    target_size, draft_size = vocab_size(target), vocab_size(draft)
-    if tokenizer is not None and draft_tokenizer is not None:
-        if tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-            raise IncompatibleDraftError("the draft's tokenizer differs from the target's; a draft "
-                                         "model must use the target's tokenizer")
-        if min(target_size, draft_size) < len(tokenizer):
-            raise IncompatibleDraftError(
-                f"vocabulary mismatch: target has {target_size} rows, draft {draft_size}, the "
-                f"tokenizer {len(tokenizer)} tokens")
-    elif target_size != draft_size:
-        raise IncompatibleDraftError(
-            f"vocabulary mismatch: target has {target_size} tokens, draft {draft_size}")
-
-
-def vocab_size(model: PreTrainedModel) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
-
-
-def _eos_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)

@@ -1,56 +1,50 @@
 """How many tokens to draft each round: fixed, HF's heuristic schedule, or chosen from costs.
 
-`AdaptiveK` picks, every round, the K that maximises the expected speedup
+A policy belongs to one request. It learns from that request's verified rounds (`update`,
+`update_tree`) and decides from the prices the round planner hands it (verispec.planner): it
+holds no prices of its own, so the planner can price a row by the batch it is in without
+touching the policy.
+
+`AdaptiveK` picks the K that maximises the expected speedup
     expected_tokens(gamma, K) / (K * c + v(K + 1))
 with gamma a running per-request estimate of the acceptance rate (kept per kind of proposal),
 c the draft step cost and v(n) the cost of a target pass over n positions, both relative to a
-one-token target step and measured on this machine (`measure_costs`). K = 0 (a plain
-decoding step) when nothing pays.
+one-token target step and measured on this machine (verispec.costs). K = 0 (a plain decoding
+step) when nothing pays.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from verispec.params import SamplingParams
-from verispec.sampling import sample, warp
+from verispec.config import MAX_TREE_NODES, DecodeConfig
+from verispec.costs import CostModel
 from verispec.theory import optimal_k
-from verispec.verify import rejection_sample
-
-# Greedy rows of a feature draft propose token trees this wide by default (measured with the
-# shipped SmolLM2 draft on verispec's own prompts, widths 1-12: README "Token trees").
-DEFAULT_TREE_WIDTH = 8
-MAX_TREE_NODES = 15  # a tree pass stays a short pass (runtime.native.llama.INVARIANT_MAX)
-
-
-def check_tree_width(width: int) -> int:
-    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_TREE_NODES:
-        raise ValueError(f"tree width must be an integer in [1, {MAX_TREE_NODES}] (1: chains), "
-                         f"got {width!r}")
-    return width
 
 
 class KPolicy(Protocol):
-    def next_k(self, free: bool = False, context: int = 0) -> int:
-        """How many tokens to ask the drafter for this round, for a sequence of `context`
-        tokens; free=True: for a proposal that costs nothing to make (a lookup), which keep()
-        then cuts by its kind."""
+    """prices: this row's cost model for the round (its share of the pass, at its context), or
+    None where the decoder has no prices (fixed K, heuristic); width: the width of the trees
+    the row's draft model proposes this round (1: chains)."""
+
+    def next_k(self, prices: CostModel | None, width: int = 1, free: bool = False) -> int:
+        """How many tokens to ask the drafter for; free=True: for a proposal that costs nothing
+        to make (a lookup), which keep() then cuts by its kind."""
         ...
 
-    def keep(self, source: int, proposed: int, context: int = 0) -> int:
-        """How many proposed tokens to verify, knowing the kind of proposal (Draft.source)."""
+    def keep(self, prices: CostModel | None, width: int, source: int, proposed: int) -> int:
+        """How many proposed tokens (a tree: depths) to verify, by the kind of proposal
+        (Draft.source)."""
         ...
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         """After verification: num_drafted tokens of this source were verified."""
         ...
 
-    def tree_size(self, scores: torch.Tensor, context: int = 0, depth: int = 1) -> int:
+    def tree_size(self, prices: CostModel | None, scores: torch.Tensor, depth: int = 1) -> int:
         """How many of a token tree's tokens to verify (its likeliest, by the drafter's
         cumulative log-probabilities `scores`; the tree is `depth` deep)."""
         ...
@@ -65,7 +59,7 @@ class WholeTrees:
 
     __slots__ = ()
 
-    def tree_size(self, scores: torch.Tensor, context: int = 0, depth: int = 1) -> int:
+    def tree_size(self, prices: CostModel | None, scores: torch.Tensor, depth: int = 1) -> int:
         return min(int(scores.numel()), MAX_TREE_NODES)
 
     def update_tree(self, expected: float, num_accepted: int) -> None:
@@ -76,10 +70,10 @@ class WholeTrees:
 class FixedK(WholeTrees):
     k: int
 
-    def next_k(self, free: bool = False, context: int = 0) -> int:
+    def next_k(self, prices: CostModel | None, width: int = 1, free: bool = False) -> int:
         return self.k
 
-    def keep(self, source: int, proposed: int, context: int = 0) -> int:
+    def keep(self, prices: CostModel | None, width: int, source: int, proposed: int) -> int:
         return proposed
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
@@ -94,10 +88,10 @@ class HeuristicK(WholeTrees):
     k: int
     k_max: int = 16
 
-    def next_k(self, free: bool = False, context: int = 0) -> int:
+    def next_k(self, prices: CostModel | None, width: int = 1, free: bool = False) -> int:
         return self.k
 
-    def keep(self, source: int, proposed: int, context: int = 0) -> int:
+    def keep(self, prices: CostModel | None, width: int, source: int, proposed: int) -> int:
         return proposed
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
@@ -105,91 +99,6 @@ class HeuristicK(WholeTrees):
             return
         step = 2 if num_accepted == num_drafted else -1
         self.k = min(self.k_max, max(1, self.k + step))
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Measured costs, in units of one one-token target step."""
-
-    draft_step: float  # c: one draft token
-    verify: tuple[float, ...]  # verify[k] = v(k + 1): a target pass over k + 1 positions
-    target_step_s: float  # the unit, in seconds
-    # The same v measured after a longer context (relative to a one-token step there), where
-    # every extra position attends over more keys: v(n) grows with the context (`at`).
-    long_verify: tuple[float, ...] | None = None
-    contexts: tuple[int, int] = (128, 1024)  # the contexts verify and long_verify were timed at
-    # c after the longer context (relative to a one-token target step there): a draft model
-    # attends over the context too. None: c does not change with the context.
-    long_draft_step: float | None = None
-    # What a sampled row pays per drafted token beyond a greedy one: the drafter warping and
-    # drawing from its distribution, and verification warping the target's distribution at one
-    # more position and the rejection step over it (`sampled`).
-    sampling_step: float = 0.0
-
-    def at(self, context: int) -> CostModel:
-        """The prices for a sequence of `context` tokens: v(n) (and c, where timed at both)
-        along the line through the two measured contexts (beyond them too), v never below 1;
-        unchanged with one context. Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10 at
-        576."""
-        if self.long_verify is None:
-            return self
-        short, long = self.contexts
-        weight = (context - short) / (long - short)
-        verify = tuple(max(1.0, v + weight * (w - v))
-                       for v, w in zip(self.verify, self.long_verify, strict=True))
-        draft_step = self.draft_step
-        if self.long_draft_step is not None:
-            draft_step = max(0.0, draft_step + weight * (self.long_draft_step - draft_step))
-        return dataclasses.replace(self, verify=verify, long_verify=None, draft_step=draft_step,
-                                   long_draft_step=None)
-
-    def sampled(self) -> CostModel:
-        """The prices a sampled row sees: each drafted token also costs sampling_step."""
-        return dataclasses.replace(self, draft_step=self.draft_step + self.sampling_step,
-                                   sampling_step=0.0)
-
-    @property
-    def k_max(self) -> int:
-        return len(self.verify) - 1
-
-    def row_share(self, batch: int) -> CostModel:
-        """The prices one row of a batch sees for its own extra positions, when the other rows
-        keep theirs: v_row(n) = 1 + (v(n) - 1) / batch, since v(n) is measured with every row
-        at n positions and the pass grows with the positions it holds (linearly, between the
-        measured points). Example: batch 4, v(5) = 1.40 -> v_row(5) = 1.10."""
-        def share(curve: tuple[float, ...] | None) -> tuple[float, ...] | None:
-            return None if curve is None else tuple(1.0 + (v - 1.0) / batch for v in curve)
-
-        return dataclasses.replace(self, verify=share(self.verify),
-                                   long_verify=share(self.long_verify))
-
-    def tree(self, width: int, max_nodes: int = MAX_TREE_NODES,
-             nodes: float | None = None) -> CostModel:
-        """The prices of token trees `width` wide, by depth: verify[k] = v(nodes k + 1), a pass
-        over the tree's nodes and the root, extended past the measured positions along the
-        last measured step; depth up to max_nodes // width. nodes: the nodes a depth is priced
-        at (default width; fewer where trees are cut before verifying). Width 1 is this model.
-        """
-        if width <= 1:
-            return self
-        depth = max(1, max_nodes // width)
-        nodes = float(width if nodes is None else nodes)
-        return dataclasses.replace(self, verify=tuple(self.v(nodes * k + 1)
-                                                      for k in range(depth + 1)))
-
-    def v(self, positions: float) -> float:
-        """v(positions), between measured positions along the line joining them, past them
-        along the last measured step."""
-        if self.long_verify is not None:
-            raise ValueError("price passes at a context: costs.at(context)")
-        last = len(self.verify)
-        if positions <= last:
-            below = max(1, int(positions))
-            above = min(last, below + 1)
-            return self.verify[below - 1] + (positions - below) * (
-                self.verify[above - 1] - self.verify[below - 1])
-        slope = self.verify[-1] - self.verify[-2] if last > 1 else 0.0
-        return self.verify[-1] + slope * (positions - last)
 
 
 @dataclass(slots=True)
@@ -214,31 +123,22 @@ class AcceptanceEstimate:
         self.checked_w = self.decay * self.checked_w + num_checked
 
 
-CHEAP_DRAFT = 0.01  # draft step cost c below which proposals count as free (n-gram lookup)
-# The weight of the 0.5 prior in each kind of proposal's acceptance estimate. With the decay of
-# 0.85 a round, the evidence never weighs more than ~6.7 rounds, so the prior keeps a pull: at
-# weight 2 a draft accepted 21% of the time was estimated at 28%, past break-even, and drafted
-# at a loss (a weak 2-layer draft LM: 0.95x plain decoding; at 0.5: 0.99x). K = 0 still drifts
-# back to the prior within ~8 rounds, so speculation is retried.
-PRIOR_WEIGHT = 0.5
-
-
 @dataclass(slots=True)
 class AdaptiveK:
-    """K from the cost model and running acceptance estimates, one per kind of proposal.
+    """K from the round's prices and running acceptance estimates, one per kind of proposal.
 
     A costly drafter (a draft model) gets its K before drafting, from the estimate for its one
     source. A free drafter (n-gram lookup) is asked for up to k_max tokens, and then only as many
     are verified as pay off for that proposal's source: a long n-gram match is accepted far more
     often than a one-token match, and earns a longer K. A drafter with both kinds (hybrid) asks
     for both: next_k(free=True) for its lookup, next_k() for its draft model.
+
+    The draft model's proposals may be token trees (source 0): K is then their depth, priced by
+    the tree's nodes (CostModel.tree), with gamma the acceptance per depth.
     """
 
-    costs: CostModel
+    config: DecodeConfig = field(default_factory=DecodeConfig)
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
-    # The draft model's proposals are token trees this wide (source 0): K is their depth,
-    # priced by the tree's nodes (CostModel.tree), with gamma the acceptance per depth.
-    tree_width: int = 1
     # How many tokens a tree yields against what its drafter's probabilities promise (a ratio,
     # starting at 1): the tree's size is chosen each round from the promise (`tree_size`).
     calibration: AcceptanceEstimate = field(
@@ -254,30 +154,31 @@ class AdaptiveK:
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
 
-    def next_k(self, free: bool = False, context: int = 0) -> int:
-        if free or self.costs.draft_step < CHEAP_DRAFT:  # lookups: priced in keep()
-            return self.costs.k_max
-        return self._best_k(self.gamma(0), self.tree_width, context)
+    def next_k(self, prices: CostModel | None, width: int = 1, free: bool = False) -> int:
+        prices = _require(prices)
+        if free or prices.draft_step < self.config.cheap_draft:  # lookups: priced in keep()
+            return prices.k_max
+        return self._best_k(prices, self.gamma(0), width)
 
-    def keep(self, source: int, proposed: int, context: int = 0) -> int:
-        width = self.tree_width if source == 0 else 1
-        return min(proposed, self._best_k(self.gamma(source), width, context))
+    def keep(self, prices: CostModel | None, width: int, source: int, proposed: int) -> int:
+        return min(proposed, self._best_k(_require(prices), self.gamma(source),
+                                          width if source == 0 else 1))
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
 
-    def tree_size(self, scores: torch.Tensor, context: int = 0, depth: int = 1) -> int:
+    def tree_size(self, prices: CostModel | None, scores: torch.Tensor, depth: int = 1) -> int:
         """The n maximising (1 + a * sum of the n likeliest tokens' probabilities) / v(n + 1):
         each token is on the accepted path with about the probability the drafter gives its
         path, times a (`calibration`, learnt from the rounds so far); the tree is drafted
         already, so only the target pass is priced. depth: the tree's (for `kept`)."""
-        costs = self.costs.at(context)
+        prices = _require(prices)
         ratio = self.calibration.gamma
         probs = scores.float().exp().sort(descending=True).values[:MAX_TREE_NODES].tolist()
         best, best_rate, expected = 0, 1.0, 1.0
         for n, prob in enumerate(probs, start=1):
             expected += ratio * prob
-            rate = expected / costs.v(n + 1)
+            rate = expected / prices.v(n + 1)
             if rate > best_rate:
                 best, best_rate = n, rate
         self.kept.update(max(1, depth), best)
@@ -286,22 +187,30 @@ class AdaptiveK:
     def update_tree(self, expected: float, num_accepted: int) -> None:
         self.calibration.update(expected, num_accepted)
 
-    def tree_costs(self, costs: CostModel, width: int) -> CostModel:
-        """costs (at a context) for this policy's trees `width` wide, by depth."""
+    def tree_costs(self, prices: CostModel, width: int) -> CostModel:
+        """prices for this policy's trees `width` wide, by depth."""
         # at least a chain's node: rounds the cut leaves empty verify nothing, but gamma is
         # learnt from the rounds that verified something
         nodes = width if self.sampling else min(width, max(1.0, self.kept.gamma))
-        return costs.tree(width, nodes=nodes)
+        return prices.tree(width, nodes=nodes)
 
-    def _best_k(self, gamma: float, width: int = 1, context: int = 0) -> int:
-        costs = self.costs.at(context)
-        costs = self.tree_costs(costs.sampled() if self.sampling else costs, width)
-        return optimal_k(gamma, costs.draft_step, costs.verify, costs.k_max)
+    def _best_k(self, prices: CostModel, gamma: float, width: int) -> int:
+        prices = self.tree_costs(prices.sampled() if self.sampling else prices, width)
+        return optimal_k(gamma, prices.draft_step, prices.verify, prices.k_max)
 
     def _estimate(self, source: int) -> AcceptanceEstimate:
         if source not in self.estimates:
-            self.estimates[source] = AcceptanceEstimate(prior_weight=PRIOR_WEIGHT)
+            self.estimates[source] = AcceptanceEstimate(prior_weight=self.config.prior_weight,
+                                                        decay=self.config.estimate_decay)
         return self.estimates[source]
+
+
+def _require(prices: CostModel | None) -> CostModel:
+    if prices is None:
+        raise ValueError("k='auto' needs the round's prices (a cost model)")
+    if prices.long_verify is not None:
+        raise ValueError("price a round at its context: costs.at(context)")
+    return prices
 
 
 def parse_k(k: int | str) -> int | str:
@@ -313,136 +222,3 @@ def parse_k(k: int | str) -> int | str:
     if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
         return k
     raise ValueError(f"k must be an integer >= 0, 'auto' or 'heuristic', got {k!r}")
-
-
-def fastest(fns: list, repeats: int) -> list[float]:
-    """The fastest of `repeats` timings of each fn, timed in interleaved rounds (fn 1, 2, ...,
-    then again), so a burst of machine noise costs one sample of each, not every sample of one.
-    The minimum, not the median: noise only ever adds time."""
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
-
-
-def verify_curve(pass_s: list[float]) -> tuple[float, ...]:
-    """v(n) = pass_s[n-1] / pass_s[0], made non-decreasing from the right: a pass over more
-    positions cannot be cheaper, so a noisy sample above a later one is lowered to it (rather
-    than raising every later value to a spike)."""
-    unit = pass_s[0]
-    curve = [seconds / unit for seconds in pass_s]
-    for n in range(len(curve) - 2, -1, -1):
-        curve[n] = min(curve[n], curve[n + 1])
-    return tuple(max(1.0, v) for v in curve)
-
-
-def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: int = 5,
-                  long_context: int = 1024) -> CostModel:
-    """Time target passes over 1..k_max+1 positions and one draft step after `context` tokens,
-    and the passes again after `long_context` tokens (where the model's context allows).
-
-    Uses the real runtime objects: `target` is a Runner, `drafter` any Drafter (None
-    gives c = 0). Fastest of `repeats` interleaved timings; the caches are warmed first.
-    """
-    generator = torch.Generator().manual_seed(0)
-    vocab = min(target.vocab_size, 1000)
-    extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
-
-    def pass_times(length: int) -> tuple[list[float], torch.Tensor]:
-        history = torch.randint(0, vocab, (length,), generator=generator)
-        target.logits(history, 1)  # prefill, and warm up
-        return fastest([lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
-                        for n in range(1, k_max + 2)], repeats), history
-
-    def draft_time(history: torch.Tensor, params: SamplingParams | None = None) -> float:
-        if drafter is None:
-            return 0.0
-        params = params or SamplingParams()
-        rng = None if params.greedy else torch.Generator().manual_seed(0)
-        drafter.propose(history, 1, params, rng)
-        # One draft token after the history: the drafter's cache holds all but the last token.
-        step = [lambda: drafter.propose(torch.cat([history, extra[:1]]), 1, params, rng),
-                lambda: drafter.propose(history, 1, params, rng)]
-        return fastest(step, repeats)[0]
-
-    long_verify = long_draft = None
-    if context < long_context <= target.max_positions - k_max - 1:
-        long_s, long_history = pass_times(long_context)
-        long_verify = verify_curve(long_s)
-        long_draft = draft_time(long_history) / long_s[0]
-    pass_s, history = pass_times(context)
-    draft_s = draft_time(history)
-    sampled_s = max(0.0, draft_time(history, SamplingParams(temperature=1.0)) - draft_s)
-    return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
-                     target_step_s=pass_s[0], long_verify=long_verify,
-                     contexts=(context, long_context), long_draft_step=long_draft,
-                     sampling_step=(sampled_s + sampled_verify_time(
-                         target.vocab_size, repeats)) / pass_s[0])
-
-
-def sampled_verify_time(vocab_size: int, repeats: int) -> float:
-    """Seconds that verifying one sampled draft token adds to plain sampling: the target's
-    distribution warped at two positions and the rejection step, against warping one and
-    drawing from it (random logits; the times do not depend on them). A round of one token:
-    the round's fixed part (the draw after the last position) is charged to its token, which
-    overprices longer rounds a little, on the side of not drafting."""
-    generator = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0)
-    logits = torch.randn(2, vocab_size, generator=generator)  # [2, V]
-    draft_probs = torch.softmax(torch.randn(1, 1, vocab_size, generator=generator), -1)
-    tokens = torch.randint(0, vocab_size, (1, 1), generator=generator)
-    plain, drafted = fastest([
-        lambda: sample(warp(logits[:1], params), generator),
-        lambda: rejection_sample(tokens, draft_probs, warp(logits[None], params), generator)],
-        repeats)
-    return max(0.0, drafted - plain)
-
-
-def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
-                        repeats: int = 3, long_context: int = 1024,
-                        greedy_trees: bool = False) -> CostModel:
-    """The cost model of a batch of `batch` sequences, in units of one plain batched step
-    (every row one position): v(n) times a pass where every row has n positions, c one draft
-    step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
-    Drafter (its forks draft the rows) or None. greedy_trees: whether greedy rows draft token
-    trees at this batch size (as `propose_batch` takes it): c is timed drafting the same way
-    (a tree's first step costs ~1.35x a chain's at batch 4 and 16)."""
-    from verispec.drafters.base import follow_target
-    from verispec.drafters.batch import propose_batch
-    from verispec.runtime import batched_logits
-
-    generator = torch.Generator().manual_seed(0)
-    vocab = min(target.vocab_size, 1000)
-    runners = [target.sibling() for _ in range(batch)]
-    extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
-
-    def pass_times(length: int) -> tuple[list[float], list[torch.Tensor]]:
-        histories = [torch.randint(0, vocab, (length,), generator=generator) for _ in runners]
-        batched_logits(runners, histories, [1] * batch)  # prefill, and warm up
-        return fastest([lambda n=n: batched_logits(
-            runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
-            for n in range(1, k_max + 2)], repeats), histories
-
-    long_verify = None
-    if context < long_context <= target.max_positions - k_max - 1:
-        long_verify = verify_curve(pass_times(long_context)[0])
-    pass_s, histories = pass_times(context)
-    draft_s = 0.0
-    if drafter is not None:
-        drafters = [drafter.fork() for _ in runners]
-        for row_drafter, runner in zip(drafters, runners, strict=True):
-            follow_target(row_drafter, runner)
-        greedy = [SamplingParams()] * batch
-
-        def draft_step() -> None:
-            propose_batch(drafters, histories, [1] * batch, greedy, [None] * batch,
-                          greedy_trees=greedy_trees)
-
-        draft_step()
-        draft_s = fastest([draft_step], repeats)[0]
-    return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
-                     target_step_s=pass_s[0], long_verify=long_verify,
-                     contexts=(context, long_context))

@@ -1,4 +1,4 @@
-"""Batched speculative decoding with continuous batching, driven step by step.
+"""Speculative decoding with continuous batching, driven step by step: the one decode loop.
 
     scheduler = Scheduler(decoder, max_batch=16)
     rid = scheduler.add("Hello", SamplingParams(max_new_tokens=64))
@@ -7,87 +7,82 @@
             ...event.request_id, event.text, event.output (set when it finished)
     scheduler.cancel(rid)                # any time between steps
 
-Each round every running request drafts, all of them are verified in one target pass (each row
-at its own position, with its own draft length), and each accepts its own number of tokens.
-Requests finish on their own (EOS, stop strings, max_new_tokens) and leave; waiting requests
-join between rounds. On the native runtime a row's logits do not depend on the batch, so its
-output is the one it gets decoded alone (greedy: token for token; sampled: the same draws for
-the same seed).
+A lone prompt (`SpeculativeDecoder.generate` / `stream`) is a batch of one through the same
+loop. Each round every running request drafts, all of them are verified in one target pass
+(each row at its own position, with its own draft length), and each accepts its own number of
+tokens. Requests finish on their own (EOS, stop strings, max_new_tokens) and leave; waiting
+requests join between rounds. On the native runtime a row's logits do not depend on the batch,
+so its output is the one it gets decoded alone (greedy: token for token; sampled: the same
+draws for the same seed while the round's K is the same).
 
-K for a round: with k="auto" the batch shares the K that maximises expected tokens per unit of
-time at this batch size (`theory.batch_optimal_k`, costs measured per batch size), shrinking to
-0 (plain batched decoding) when the bigger verification pass stops paying. Lookups cost nothing
-to propose: each row keeps as many of its lookup's tokens as pay for its own share of the
-bigger pass (`CostModel.row_share`), and then the batch cuts every row's chain to the tokens
-that pay for all the rows (`theory.batch_allocation`: a position in the pass costs every row
-its wait, so at batch 16 a token must be accepted with more than ~0.35 to be worth verifying).
+How much each row drafts and verifies is the round planner's (verispec.planner). A prompt
+longer than `DecodeConfig.prefill_chunk` is fed in chunks, one a round, so the other rows'
+rounds never wait for a whole long prompt. A round that raises is retried row by row: only
+the rows that raise alone fail (an `Event` with `error`), the others go on unchanged.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter, follow_target
+from verispec.drafters.base import Draft, Drafter, empty_draft, follow_target
 from verispec.drafters.batch import propose_batch
-from verispec.drafters.hybrid import tree_width_of
-from verispec.engine import Sequence
 from verispec.params import SamplingParams
-from verispec.policy import CHEAP_DRAFT, AdaptiveK, CostModel
-from verispec.runtime import Runner, batched_logits
-from verispec.sampling import make_generator
+from verispec.planner import RoundPlanner
+from verispec.request import Request, Round
+from verispec.runtime import Runner, batched_logits, common_prefix
+from verispec.sampling import greedy_tokens, make_generator, warp
 from verispec.stats import StatsRecorder
 from verispec.text import TextStream
-from verispec.theory import batch_allocation, batch_optimal_k
+from verispec.verify import greedy_verify_tree, rejection_sample, rejection_sample_tree
 
-# A batch speculates only when the model predicts at least this gain: at batch 4 a draft with
-# acceptance 0.23 was predicted +2% and measured -11% (lockstep drafting's bookkeeping).
-BATCH_MARGIN = 1.10
-# Greedy rows draft token trees in batches up to this size, chains in bigger ones: Spec-Bench,
-# the shipped draft with lookup, width 8 against chains: batch 1 1.51-1.56x against 1.48x,
-# batch 4 1.13-1.24x (1.16 twice side by side) against 1.20-1.21x; batch 2 1.24-1.28x against
-# 1.29-1.30x. (A greedy row's output is the same either way; sampled rows with a tree width
-# draw trees at every size, so their draws do not depend on the batch.)
-TREE_MAX_BATCH = 1
+log = logging.getLogger("verispec")
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """New text of one request after a round; `output` is set on its last event."""
+    """New text of one request after a round; `output` is set on its last event, `error` on
+    the last event of a request that failed (its round raised with it alone)."""
 
     request_id: int
     text: str
     token_ids: list[int]
     output: object | None = None  # verispec.decoder.GenerationOutput
+    error: Exception | None = None
 
 
-@dataclass(slots=True)
-class _Request:
-    request_id: int
-    prompt_ids: torch.Tensor
-    params: SamplingParams
-    sequence: Sequence | None = None  # set when the request joins the batch
-    runner: Runner | None = None
-    drafter: Drafter | None = None
-    text: TextStream | None = None
-    stats: StatsRecorder | None = None
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A row's verified round: the tokens it emits and how many draft tokens were accepted."""
+
+    tokens: list[int]
+    accepted: int
+    drafted: int  # the draft's depth (a tree counts as a chain of its depth)
 
 
 class Scheduler:
-    def __init__(self, decoder, max_batch: int = 16) -> None:
-        """decoder: a verispec.SpeculativeDecoder (its target, drafter, K and tokenizer)."""
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    def __init__(self, decoder, max_batch: int = 16, runners: Iterable[Runner] = (),
+                 drafters: Iterable[Drafter] = ()) -> None:
+        """decoder: a verispec.SpeculativeDecoder (its target, drafter, K, tokenizer, config).
+        runners, drafters: ones to use before making more (the decoder's own, for a lone
+        prompt, so its KV cache carries over from one prompt to the next)."""
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.decoder = decoder
         self.max_batch = max_batch
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
+        self.config = decoder.config
+        self.planner = RoundPlanner(decoder.drafter, decoder.config, decoder.batch_costs)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self._ids = itertools.count()
-        self._free_runners: list[Runner] = []
-        self._free_drafters: list[Drafter] = []
+        self._free_runners: list[Runner] = list(runners)
+        self._free_drafters: list[Drafter] = list(drafters)
 
     @property
     def has_work(self) -> bool:
@@ -97,9 +92,20 @@ class Scheduler:
         """Queue a request; bad input raises here. Returns its id."""
         params = params or SamplingParams()
         prompt_ids = self.decoder.encode(prompt, self.decoder.chat if chat is None else chat)
-        if params.stop and self.decoder.tokenizer is None:
+        return self.add_ids(prompt_ids, params)
+
+    def add_ids(self, prompt_ids: torch.Tensor, params: SamplingParams) -> int:
+        """Queue a request already tokenised (`decoder.encode`); returns its id."""
+        decoder = self.decoder
+        if params.stop and decoder.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        request = _Request(next(self._ids), prompt_ids, params)
+        request = Request(
+            request_id=next(self._ids), prompt_ids=prompt_ids, params=params,
+            policy=decoder.new_policy(params),
+            generator=make_generator(params.seed, decoder.target.device),
+            stats=StatsRecorder(k=decoder.k), text=TextStream(decoder.tokenizer, params.stop),
+            budget=min(params.max_new_tokens,
+                       decoder.target.max_positions - int(prompt_ids.numel())))
         self.waiting.append(request)
         return request.request_id
 
@@ -124,128 +130,114 @@ class Scheduler:
         running = list(self.running)
         if not running:
             return []
-        # 2. Draft: every row proposes up to the round's K (model drafts in lockstep passes),
-        #    a lookup up to its policy's free K.
-        greedy_trees = len(running) <= TREE_MAX_BATCH
-        prices = self._prices(running)
-        k = 0 if self.decoder.drafter is None else self._round_k(running, greedy_trees, prices)
-        drafts = propose_batch([r.drafter for r in running], [r.sequence.history for r in running],
-                               [r.sequence.num_to_draft(k) for r in running],
-                               [r.params for r in running],
-                               [r.sequence.generator for r in running],
-                               [r.sequence.num_to_draft(free=True) for r in running],
-                               [r.sequence.policy for r in running],
-                               greedy_trees=greedy_trees)
-        if prices is not None and len(running) > 1:
-            drafts = self._allocate(running, drafts, prices)  # cut at the batch's prices
-        # 3. One target pass over every row's history + draft.
-        rounds = [r.sequence.begin(d) for r, d in zip(running, drafts, strict=True)]
-        logits = batched_logits([r.runner for r in running], [rd.ids for rd in rounds],
-                                [rd.num_logits for rd in rounds], [rd.parents for rd in rounds])
-        # 4. Each row verifies and accepts its own number of tokens; finished rows leave.
-        events = []
-        for request, round, row_logits in zip(running, rounds, logits, strict=True):
-            events.append(self._advance(request, request.sequence.finish(round, row_logits)))
-        return events
+        # 2. Rows still feeding their prompt take a chunk of it; the others decode a round.
+        prefilling = [r for r in running if self._prompt_left(r) > self.config.prefill_chunk]
+        decoding = [r for r in running if self._prompt_left(r) <= self.config.prefill_chunk]
+        snapshot = [_generator_state(r) for r in running]
+        try:
+            verified = self._round(prefilling, decoding)
+        except Exception as error:  # noqa: BLE001 - isolate the row that raised
+            if len(running) == 1:
+                return [self._fail(running[0], error)]
+            return self._retry_alone(running, snapshot)
+        return [self._advance(r, v) for r, v in zip(decoding, verified, strict=True)]
 
     def run(self) -> dict[int, object]:
-        """Step until every request finished -> {request_id: GenerationOutput}."""
+        """Step until every request finished -> {request_id: GenerationOutput}; a request
+        that failed raises its error."""
         outputs = {}
         while self.has_work:
             for event in self.step():
+                if event.error is not None:
+                    raise event.error
                 if event.output is not None:
                     outputs[event.request_id] = event.output
         return outputs
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- the round --------------------------------------------------------------------------
 
-    def _admit(self, request: _Request) -> None:
+    def _round(self, prefilling: list[Request], decoding: list[Request]) -> list[Verified]:
+        # 1. Plan: how much every decoding row drafts and verifies.
+        plan = self.planner.plan(decoding)
+        # 2. Draft: draft models (in lockstep passes) up to the round's K, lookups up to theirs.
+        drafts = propose_batch(
+            [r.drafter for r in decoding], [r.history for r in decoding],
+            [row.k for row in plan.rows], [r.params for r in decoding],
+            [r.generator for r in decoding], [row.free_k for row in plan.rows],
+            [self.planner.lookup_keep(r, row) for r, row in zip(decoding, plan.rows,
+                                                                 strict=True)],
+            greedy_trees=plan.greedy_trees)
+        drafts = self.planner.keep(decoding, drafts, plan)
+        rounds = [Round(d, torch.cat([r.history, d.tokens]), len(d) + 1)
+                  for r, d in zip(decoding, drafts, strict=True)]
+        rounds += [self._prefill_round(r) for r in prefilling]
+        # 3. One target pass over every row's history + draft (or its prompt's next chunk).
+        rows = decoding + prefilling
+        logits = batched_logits([r.runner for r in rows], [rd.ids for rd in rounds],
+                                [rd.num_logits for rd in rounds], [rd.parents for rd in rounds])
+        # 4. Verify every decoding row.
+        return verify_round(decoding, rounds[: len(decoding)], logits[: len(decoding)])
+
+    def _prompt_left(self, request: Request) -> int:
+        """Prompt tokens not yet in the row's target cache."""
+        return request.context - request.prompt_fed
+
+    def _prefill_round(self, request: Request) -> Round:
+        """The prompt's next chunk, fed for its keys and values alone (its logits unused)."""
+        request.prompt_fed += self.config.prefill_chunk
+        return Round(empty_draft(), request.history[: request.prompt_fed], 1)
+
+    def _retry_alone(self, running: list[Request], snapshot: list[torch.Tensor | None]
+                     ) -> list[Event]:
+        """A round raised: run each row's round alone from the draws it had before (the KV
+        caches roll back by themselves), so a row that raises alone fails and the others go
+        on as if the round had not failed."""
+        events = []
+        for request, state in zip(running, snapshot, strict=True):
+            if state is not None:
+                request.generator.set_state(state)
+            chunk = self._prompt_left(request) > self.config.prefill_chunk
+            try:
+                verified = self._round([request] if chunk else [], [] if chunk else [request])
+            except Exception as error:  # noqa: BLE001 - this row's own failure
+                events.append(self._fail(request, error))
+                continue
+            if not chunk:
+                events.append(self._advance(request, verified[0]))
+        return events
+
+    # -- rows joining, advancing and leaving ------------------------------------------------
+
+    def _admit(self, request: Request) -> None:
         decoder = self.decoder
         request.runner = self._free_runners.pop() if self._free_runners else \
             decoder.target.sibling()
-        request.runner.reset()
         if decoder.drafter is not None:
             request.drafter = self._free_drafters.pop() if self._free_drafters else \
                 decoder.drafter.fork()
             follow_target(request.drafter, request.runner)
-            request.drafter.reset()
-        request.stats = StatsRecorder(k=decoder.k)
-        request.text = TextStream(decoder.tokenizer, request.params.stop)
-        generator = make_generator(request.params.seed, decoder.target.device)
-        request.sequence = Sequence(request.prompt_ids, request.params,
-                                    decoder.new_policy(request.params),
-                                    decoder.eos_ids, generator, request.stats,
-                                    decoder.target.max_positions)
+        # what the runner holds of this prompt already (a runner reused from a request that
+        # shared a prefix keeps it); its rounds feed the rest
+        request.prompt_fed = common_prefix(request.runner.cached_ids, request.prompt_ids)
         self.running.append(request)
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: Request) -> None:
         self.running.remove(request)
         self._free_runners.append(request.runner)
         if request.drafter is not None:
             self._free_drafters.append(request.drafter)
 
-    def _round_k(self, running: list[_Request], greedy_trees: bool,
-                 costs: CostModel | None) -> int | None:
-        """The K this round drafts: None leaves it to each row's policy (fixed K, heuristic:
-        no prices); under "auto" the batch shares one K priced at its batch size (a tree's
-        depth, priced by its tokens, where rows draft trees: sampled rows, and greedy ones if
-        greedy_trees), and each row's policy is given the batch's prices for its own cut of
-        free proposals (lookups) and of its tree."""
-        if costs is None:
-            return None
-        policies = [r.sequence.policy for r in running]
-        row_costs = costs.row_share(len(running))
-        row_widths = [tree_width_of(self.decoder.drafter, r.params)
-                      if greedy_trees or not r.params.greedy else 1 for r in running]
-        # K: the trees' depth where rows draft trees, priced as the widest row's policy
-        # prices its trees (a greedy row's by the nodes its cut keeps)
-        widest = max(range(len(running)), key=lambda i: row_widths[i])
-        costs = policies[widest].tree_costs(costs, row_widths[widest])
-        for policy, row_width in zip(policies, row_widths, strict=True):
-            # each row's own cut (AdaptiveK.keep) pays its share of a pass
-            policy.costs, policy.tree_width = row_costs, row_width
-        if costs.draft_step < CHEAP_DRAFT:
-            return costs.k_max
-        gammas = [policy.gamma(0) for policy in policies]
-        return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max,
-                               min_speedup=BATCH_MARGIN)
-
-    def _prices(self, running: list[_Request]) -> CostModel | None:
-        """This batch's cost model, priced at its rows' mean length, where K is "auto" (every
-        row's policy adaptive) and there is a drafter; else None."""
-        if self.decoder.drafter is None or not all(
-                isinstance(r.sequence.policy, AdaptiveK) for r in running):
-            return None
-        context = sum(int(r.sequence.history.numel()) for r in running) // len(running)
-        return self.decoder.batch_costs(len(running)).at(context)
-
-    def _allocate(self, running: list[_Request], drafts: list[Draft],
-                  costs: CostModel) -> list[Draft]:
-        """Every row's chain cut to what pays for the whole batch (`theory.batch_allocation`:
-        a token is verified while its chance of acceptance, gamma^j by its kind of proposal,
-        beats what its place in the pass costs all the rows). Trees are kept whole: their
-        size was priced when they were drafted."""
-        rows = len(running)
-        chain = [d.parents is None for d in drafts]
-        fixed = sum(len(d) for d, is_chain in zip(drafts, chain, strict=True) if not is_chain)
-        gains = []  # one list per row (every row emits a token: the rate's base)
-        for request, draft, is_chain in zip(running, drafts, chain, strict=True):
-            if not is_chain or not len(draft):
-                gains.append([])
-                continue
-            gamma = request.sequence.policy.gamma(draft.source)
-            gains.append([gamma ** (j + 1) for j in range(len(draft))])
-        kept = batch_allocation(gains, lambda extra: costs.v(1 + (fixed + extra) / rows))
-        return [d.truncated(count) if is_chain else d
-                for d, count, is_chain in zip(drafts, kept, chain, strict=True)]
-
-    def _advance(self, request: _Request, new_ids: list[int]) -> Event:
-        """Text for the round's tokens; finish the request on a stop string, EOS or budget."""
+    def _advance(self, request: Request, verified: Verified) -> Event:
+        """Append the round's tokens; text for them; finish the request on a stop string, EOS
+        or budget."""
+        request.prompt_fed = request.context
+        new_ids = request.append(verified.tokens, self.decoder.eos_ids)
+        request.stats.record_round(verified.drafted, verified.accepted, len(new_ids))
         text, start = request.text, len(request.text.ids)
         piece = text.add(new_ids)
         if text.stopped:
             new_ids = text.ids[start: text.num_tokens]
-        elif not request.sequence.finished:
+        elif not request.finished:
             return Event(request.request_id, piece, new_ids)
         else:
             piece += text.flush()
@@ -253,3 +245,68 @@ class Scheduler:
         output = self.decoder.make_output(text, request.params, request.stats)
         return Event(request.request_id, piece, new_ids, output)
 
+    def _fail(self, request: Request, error: Exception) -> Event:
+        log.warning("request %d failed in its round: %s", request.request_id, error)
+        if request in self.running:
+            self._release(request)
+        return Event(request.request_id, "", [], error=error)
+
+
+def _generator_state(request: Request) -> torch.Tensor | None:
+    """A row's generator position before a round, to replay its draws if the round fails.
+    (Its policy may have priced a tree it will not verify: that moves no output, only a
+    running estimate of how much trees keep.)"""
+    return None if request.generator is None else request.generator.get_state()
+
+
+def verify_round(requests: list[Request], rounds: list[Round], logits: list[torch.Tensor]
+                 ) -> list[Verified]:
+    """Verify every row of a round against its target logits [K'+1, V]; record what each
+    policy learns. Greedy chains are verified together (one argmax, one host sync); sampled
+    rows each with their own generator, so their draws do not depend on the other rows."""
+    verified: list[Verified | None] = [None] * len(requests)
+    # 1. Greedy chains: the target's argmax at every position of every row at once.
+    chains = [i for i, (r, rd) in enumerate(zip(requests, rounds, strict=True))
+              if r.params.greedy and rd.draft.parents is None]
+    if chains:
+        choice = greedy_tokens(torch.cat([logits[i] for i in chains])).tolist()  # [T]
+        offset = 0
+        for i in chains:
+            drafted = rounds[i].draft.tokens.tolist()
+            row_choice = choice[offset: offset + len(drafted) + 1]
+            offset += len(drafted) + 1
+            accepted = next((j for j, (d, c) in enumerate(zip(drafted, row_choice))
+                             if d != c), len(drafted))
+            verified[i] = Verified(row_choice[: accepted + 1], accepted, len(drafted))
+    # 2. Trees and sampled chains, row by row.
+    for i, (request, round, row_logits) in enumerate(zip(requests, rounds, logits,
+                                                         strict=True)):
+        if verified[i] is None:
+            verified[i] = _verify_row(request, round.draft, row_logits)
+    # 3. Bookkeeping (a tree counts as a chain of its depth: acceptance per position).
+    for request, round, result in zip(requests, rounds, verified, strict=True):
+        draft = round.draft
+        if draft.scores is not None:
+            request.policy.update_tree(float(draft.scores.exp().sum()), result.accepted)
+        request.policy.update(draft.source, draft.depth, result.accepted)
+    return verified
+
+
+def _verify_row(request: Request, draft: Draft, target_logits: torch.Tensor) -> Verified:
+    """One row's verification: target_logits [K'+1, V]."""
+    params, generator = request.params, request.generator
+    if draft.parents is not None and params.greedy:
+        tokens, path = greedy_verify_tree(draft.tokens, draft.parents, target_logits)
+        return Verified(tokens, len(path), draft.depth)
+    if draft.parents is not None:
+        if draft.probs is None:
+            raise ValueError("a sampled token tree needs the draft's probabilities")
+        tokens, path = rejection_sample_tree(draft.tokens, draft.parents, draft.probs,
+                                             warp(target_logits, params), generator)
+        return Verified(tokens, len(path), draft.depth)
+    draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, K', V]
+    tokens, num_accepted = rejection_sample(
+        draft.tokens.unsqueeze(0).to(target_logits.device), draft_probs,
+        warp(target_logits.unsqueeze(0), params), generator)  # [1, K'+1], [1]
+    accepted = int(num_accepted[0])
+    return Verified(tokens[0, : accepted + 1].tolist(), accepted, len(draft))

@@ -16,15 +16,13 @@ import time
 
 from tqdm import tqdm
 
-from verispec.decoder import COST_BATCH_SIZES
+from verispec.bench.interleave import rotated
 from verispec.params import SamplingParams
 
 
 def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int, ...],
                     params: SamplingParams, progress: bool = True, queue: int = 1) -> dict:
     """methods: VerispecMethod objects (their decoders), baseline first -> results by B."""
-    from verispec.bench.runner import rotated
-
     results: dict = {"batch_sizes": list(batch_sizes), "queue": queue, "by_batch": {}}
     total = sum(len(range(0, len(prompt_ids), b * queue)) for b in batch_sizes) * len(methods)
     bar = tqdm(total=total, desc="batch bench", unit="batch", disable=not progress,
@@ -37,7 +35,7 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
         for method in methods:
             decoder = method.decoder
             if decoder.k == "auto" and decoder.drafter is not None:
-                for size in COST_BATCH_SIZES:
+                for size in decoder.config.cost_batch_sizes:
                     if size <= batch:
                         decoder.batch_costs(size)
             decoder.generate(chunks[0][:batch], SamplingParams(max_new_tokens=8,

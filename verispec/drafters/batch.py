@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -11,20 +12,19 @@ from verispec.drafters.feature import FeatureDrafter, propose_features_together
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter, propose_together
 from verispec.params import SamplingParams
-from verispec.policy import KPolicy
 
 
 def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor], ks: list[int],
                   params: list[SamplingParams], generators: list[torch.Generator | None],
                   free_ks: list[int] | None = None,
-                  policies: list[KPolicy] | None = None, greedy_trees: bool = True
-                  ) -> list[Draft]:
+                  lookup_keeps: list[Callable[[Draft], int]] | None = None,
+                  greedy_trees: bool = True) -> list[Draft]:
     """Drafter.propose for every row: lookups row by row; draft models and feature drafts in
     lockstep, one pass per draft step for all their rows; a hybrid row looks up first (up to
     its free_ks tokens: a lookup costs nothing, so it may propose more than the draft model's
     priced K) and joins the draft-model (or feature) rows, up to ks tokens, when nothing
-    matches, or when its row's policy would verify none of the lookup's tokens (policies:
-    `KPolicy.keep` by kind of match). free_ks defaults to ks. A row with no drafter or a budget
+    matches, or when its row would verify none of the lookup's tokens (lookup_keeps: how many
+    of a lookup's tokens the row verifies, by its kind of match). free_ks defaults to ks. A row with no drafter or a budget
     of 0 drafts nothing. greedy_trees=False: feature drafts propose chains for greedy rows."""
     free_ks = ks if free_ks is None else free_ks
     drafts: list[Draft] = [empty_draft() for _ in drafters]
@@ -34,8 +34,7 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
         if isinstance(drafter, HybridDrafter):
             if free_ks[i] > 0:
                 draft = drafter.lookup.propose(histories[i], free_ks[i], params[i], None)
-                keep = len(draft) if policies is None else policies[i].keep(
-                    draft.source, len(draft), int(histories[i].numel()))
+                keep = len(draft) if lookup_keeps is None else lookup_keeps[i](draft)
                 drafts[i] = draft.truncated(keep)
             if len(drafts[i]):
                 continue

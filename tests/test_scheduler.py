@@ -1,0 +1,134 @@
+"""The one decode loop: a lone prompt is a batch of one; a failing row fails alone; a long
+prompt is fed in chunks without stalling the other rows; a draft asked for nothing is not run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import EOS_ID, perturbed_copy
+
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.config import DecodeConfig
+from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.scheduler import Scheduler
+
+POISON = 7  # a token id no prompt below holds, except the poisoned one
+PROMPTS = ["hello world, hello world", "abcabcabc abc", "the cat sat on the mat, the cat"]
+PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
+SHORT = "hi there"  # shorter than a prefill chunk: it decodes from its first round
+
+
+class PoisonedLookup(NgramDrafter):
+    """n-gram lookup that raises on a history holding POISON: a row whose round fails."""
+
+    def propose(self, history, k, params, generator):
+        if POISON in history.tolist():
+            raise RuntimeError("poisoned row")
+        return super().propose(history, k, params, generator)
+
+    def fork(self):
+        return PoisonedLookup()
+
+
+def run_events(scheduler: Scheduler) -> tuple[dict, dict, dict]:
+    """Step to the end -> (ids by request, text pieces by request, errors by request)."""
+    ids, texts, errors = {}, {}, {}
+    while scheduler.has_work:
+        for event in scheduler.step():
+            ids.setdefault(event.request_id, []).extend(event.token_ids)
+            texts.setdefault(event.request_id, []).append(event.text)
+            if event.error is not None:
+                errors[event.request_id] = event.error
+    return ids, texts, errors
+
+
+def test_a_lone_prompt_is_a_batch_of_one(text_target, tokenizer):
+    """generate() and a one-row scheduler give the same tokens and text, and a batch gives
+    every row its solo output."""
+    decoder = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=3)
+    solo = [decoder.generate(p, PARAMS) for p in PROMPTS]
+    scheduler = Scheduler(decoder, max_batch=1)
+    rids = [scheduler.add(p, PARAMS) for p in PROMPTS]
+    ids, texts, _ = run_events(scheduler)
+    assert [ids[r] for r in rids] == [o.token_ids for o in solo]
+    assert ["".join(texts[r]) for r in rids] == [o.text for o in solo]
+    assert [o.token_ids for o in decoder.generate(PROMPTS, PARAMS)] == [o.token_ids for o in solo]
+
+
+def test_a_row_that_raises_fails_alone_and_the_others_go_on(text_target, tokenizer):
+    plain = SpeculativeDecoder(text_target, tokenizer, None)
+    solo = [plain.generate(p, PARAMS) for p in PROMPTS]
+    decoder = SpeculativeDecoder(text_target, tokenizer, PoisonedLookup(), k=3)
+    scheduler = Scheduler(decoder, max_batch=8)
+    rids = [scheduler.add(p, PARAMS) for p in PROMPTS]
+    bad = scheduler.add([97, 98, POISON, 99, 100], PARAMS)  # ids: the poison verbatim
+    seeded = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    sampled_alone = decoder.generate(PROMPTS[0], seeded).token_ids
+    sampled = scheduler.add(PROMPTS[0], seeded)
+    ids, texts, errors = run_events(scheduler)
+    assert set(errors) == {bad} and "poisoned" in str(errors[bad])
+    assert [ids[r] for r in rids] == [o.token_ids for o in solo]  # greedy: token for token
+    assert ["".join(texts[r]) for r in rids] == [o.text for o in solo]  # streamed text too
+    assert ids[sampled] == sampled_alone  # a sampled row keeps its draws
+    with pytest.raises(RuntimeError, match="poisoned"):  # run() raises the row's error
+        decoder.generate([[97, 98, 99], [97, POISON, 98]], PARAMS)
+
+
+def test_a_long_prompt_is_fed_in_chunks_and_never_stalls_the_others(text_target, tokenizer):
+    chunked = DecodeConfig(prefill_chunk=16)
+    decoder = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=3, config=chunked)
+    whole = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=3)
+    long_prompt = list(range(40, 140)) * 2  # 200 ids: 12 chunks of 16, then its first round
+    short = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    short_alone = decoder.generate(SHORT, short).token_ids
+    long_alone = whole.generate(long_prompt, PARAMS).token_ids
+    assert decoder.generate(long_prompt, PARAMS).token_ids == long_alone  # chunks: same tokens
+    scheduler = Scheduler(decoder, max_batch=4)
+    first = scheduler.add(SHORT, short)
+    ids = {first: []}
+    for event in scheduler.step():  # the short row is decoding when the long prompt arrives
+        ids[event.request_id].extend(event.token_ids)
+    second = scheduler.add(long_prompt, PARAMS)
+    ids[second], stalled, prefill_rounds = [], 0, 0
+    while scheduler.has_work:
+        short_running = any(r.request_id == first for r in scheduler.running)
+        events = scheduler.step()
+        prefill_rounds += not any(e.request_id == second for e in events)
+        stalled += short_running and not any(e.request_id == first for e in events)
+        for event in events:
+            ids[event.request_id].extend(event.token_ids)
+    assert stalled == 0  # a token (or more) for the short row every round
+    assert prefill_rounds >= len(long_prompt) // 16 - 1  # the long prompt did come in chunks
+    assert ids[first] == short_alone and ids[second] == long_alone
+
+
+def test_chunk_size_is_validated():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        DecodeConfig(prefill_chunk=0)
+    with pytest.raises(ValueError, match="cost_batch_sizes"):
+        DecodeConfig(cost_batch_sizes=(2, 4))
+    assert DecodeConfig().as_dict()["tree_max_batch"] == 1
+
+
+def test_a_draft_asked_for_no_tokens_is_not_run(text_target, tokenizer):
+    """At K = 0 (a draft priced out) the draft model makes no pass at all; its cache catches
+    up when it is next asked for tokens."""
+    from verispec.costs import CostModel
+    from verispec.runtime import make_runner
+
+    draft = ModelDrafter(make_runner(perturbed_copy(text_target, 0.02, 0)), EOS_ID + 1)
+    dear = CostModel(draft_step=2.0, verify=(1.0,) + (3.0,) * 8, target_step_s=0.01)
+    decoder = SpeculativeDecoder(text_target, tokenizer, draft, k="auto", costs=dear)
+    out = decoder.generate(PROMPTS[0], PARAMS)
+    assert draft.runner.forward_calls == 0 and out.stats.drafted == 0  # K = 0 every round
+    decoder = SpeculativeDecoder(text_target, tokenizer, draft, k=2)
+    assert decoder.generate(PROMPTS[0], PARAMS).stats.drafted > 0
+    assert draft.runner.forward_calls > 0  # the same draft runs when it is asked for tokens
+
+
+def test_decode_config_travels_with_the_decoder(text_target, tokenizer):
+    config = dataclasses.replace(DecodeConfig(), auto_k_max=4, heuristic_start_k=2)
+    decoder = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k="heuristic",
+                                 config=config)
+    assert decoder.new_policy().next_k(None) == 2

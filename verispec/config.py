@@ -1,0 +1,85 @@
+"""The decode loop's knobs, in one frozen configuration.
+
+`DecodeConfig` holds every tunable number that the round planner, the K policies and the cost
+model read, so a run can be described (the bench records it with its results) and changed in
+one place: `SpeculativeDecoder(..., config=DecodeConfig(tree_max_batch=4))`. The defaults are
+the values the benchmarks chose (docs/choosing-k.md, docs/token-trees.md).
+
+This module imports nothing from verispec: drafters, policies and the scheduler all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# A token tree verified in one pass stays a short pass: the native runtime attends
+# batch-invariantly over passes of up to 16 positions (the tree's nodes plus its root).
+MAX_TREE_NODES = 15
+DEFAULT_TREE_WIDTH = 8  # greedy rows of a feature draft propose trees this wide
+
+
+def check_tree_width(width: int) -> int:
+    """A tree width as a user gives it: an integer in [1, MAX_TREE_NODES] (1: chains)."""
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_TREE_NODES:
+        raise ValueError(f"tree width must be an integer in [1, {MAX_TREE_NODES}] (1: chains), "
+                         f"got {width!r}")
+    return width
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    # K under k="auto": at most this many draft tokens a round (the cost model times passes
+    # over 1..auto_k_max + 1 positions).
+    auto_k_max: int = 8
+    # k="heuristic" (transformers' +2 / -1 schedule) starts here.
+    heuristic_start_k: int = 5
+    # Batch cost models are measured at these sizes; a batch is priced at the next one up.
+    cost_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # A batch speculates only when its cost model predicts at least this gain: lockstep
+    # drafting has bookkeeping the model does not price, so a predicted +2% loses.
+    batch_margin: float = 1.10
+    # Greedy rows draft token trees in batches up to this size and chains in bigger ones: a
+    # tree's wide pass is nearly free for one row and dear when every row of a batch has one.
+    tree_max_batch: int = 1
+    # A draft step cheaper than this (relative to a target step) counts as free: n-gram
+    # lookups, whose proposals are then cut by their kind rather than priced before drafting.
+    cheap_draft: float = 0.01
+    # Acceptance estimates: the 0.5 prior weighs this many rounds of evidence, and evidence
+    # decays by estimate_decay a round. A light prior lets a weak draft's estimate fall below
+    # break-even (a heavy one kept it drafting at a loss); the decay lets K = 0 drift back to
+    # the prior within a few rounds, so speculation is retried.
+    prior_weight: float = 0.5
+    estimate_decay: float = 0.85
+    # A prompt longer than this is fed this many tokens a round, so a long prompt arriving in
+    # a running batch delays the other rows' rounds by one chunk's pass, not its whole pass.
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.auto_k_max, int) or not 1 <= self.auto_k_max <= MAX_TREE_NODES:
+            raise ValueError(f"auto_k_max must be an integer in [1, {MAX_TREE_NODES}], "
+                             f"got {self.auto_k_max!r}")
+        if self.heuristic_start_k < 1:
+            raise ValueError(f"heuristic_start_k must be >= 1, got {self.heuristic_start_k}")
+        sizes = self.cost_batch_sizes
+        if not sizes or sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise ValueError(f"cost_batch_sizes must rise from 1, got {sizes!r}")
+        if self.batch_margin < 1.0:
+            raise ValueError(f"batch_margin must be >= 1, got {self.batch_margin}")
+        if self.tree_max_batch < 0:
+            raise ValueError(f"tree_max_batch must be >= 0, got {self.tree_max_batch}")
+        if not 0.0 <= self.cheap_draft < 1.0:
+            raise ValueError(f"cheap_draft must be in [0, 1), got {self.cheap_draft}")
+        if self.prior_weight <= 0.0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if self.prefill_chunk < 16:
+            raise ValueError(f"prefill_chunk must be >= 16, got {self.prefill_chunk}")
+        if not 0.0 < self.estimate_decay <= 1.0:
+            raise ValueError(f"estimate_decay must be in (0, 1], got {self.estimate_decay}")
+
+    def as_dict(self) -> dict:
+        """For reports: every knob by name."""
+        return asdict(self)
+
+    def cost_batch_size(self, batch: int) -> int:
+        """The measured batch size a batch of `batch` rows is priced at (the next one up)."""
+        return next((b for b in self.cost_batch_sizes if b >= batch), self.cost_batch_sizes[-1])

@@ -1,0 +1,238 @@
+"""What speculation costs on this machine: the cost model and its measurement.
+
+A `CostModel` prices a round in units of one one-token target step: c, one draft token, and
+v(n), a target pass over n positions. `measure_costs` (one sequence) and `measure_batch_costs`
+(a batch, in units of a plain batched step) time the real runtime objects; the K policies
+(verispec.policy) and the round planner (verispec.planner) only read the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verispec.config import MAX_TREE_NODES
+from verispec.drafters.base import follow_target
+from verispec.drafters.batch import propose_batch
+from verispec.params import SamplingParams
+from verispec.runtime import batched_logits
+from verispec.sampling import sample, warp
+from verispec.verify import rejection_sample
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Measured costs, in units of one one-token target step."""
+
+    draft_step: float  # c: one draft token
+    verify: tuple[float, ...]  # verify[k] = v(k + 1): a target pass over k + 1 positions
+    target_step_s: float  # the unit, in seconds
+    # The same v measured after a longer context (relative to a one-token step there), where
+    # every extra position attends over more keys: v(n) grows with the context (`at`).
+    long_verify: tuple[float, ...] | None = None
+    contexts: tuple[int, int] = (128, 1024)  # the contexts verify and long_verify were timed at
+    # c after the longer context (relative to a one-token target step there): a draft model
+    # attends over the context too. None: c does not change with the context.
+    long_draft_step: float | None = None
+    # What a sampled row pays per drafted token beyond a greedy one: the drafter warping and
+    # drawing from its distribution, and verification warping the target's distribution at one
+    # more position and the rejection step over it (`sampled`).
+    sampling_step: float = 0.0
+
+    def at(self, context: int) -> CostModel:
+        """The prices for a sequence of `context` tokens: v(n) (and c, where timed at both)
+        along the line through the two measured contexts (beyond them too), v never below 1;
+        unchanged with one context. Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10 at
+        576."""
+        if self.long_verify is None:
+            return self
+        short, long = self.contexts
+        weight = (context - short) / (long - short)
+        verify = tuple(max(1.0, v + weight * (w - v))
+                       for v, w in zip(self.verify, self.long_verify, strict=True))
+        draft_step = self.draft_step
+        if self.long_draft_step is not None:
+            draft_step = max(0.0, draft_step + weight * (self.long_draft_step - draft_step))
+        return dataclasses.replace(self, verify=verify, long_verify=None, draft_step=draft_step,
+                                   long_draft_step=None)
+
+    def sampled(self) -> CostModel:
+        """The prices a sampled row sees: each drafted token also costs sampling_step."""
+        return dataclasses.replace(self, draft_step=self.draft_step + self.sampling_step,
+                                   sampling_step=0.0)
+
+    @property
+    def k_max(self) -> int:
+        return len(self.verify) - 1
+
+    def row_share(self, batch: int) -> CostModel:
+        """The prices one row of a batch sees for its own extra positions, when the other rows
+        keep theirs: v_row(n) = 1 + (v(n) - 1) / batch, since v(n) is measured with every row
+        at n positions and the pass grows with the positions it holds (linearly, between the
+        measured points). Example: batch 4, v(5) = 1.40 -> v_row(5) = 1.10."""
+        def share(curve: tuple[float, ...] | None) -> tuple[float, ...] | None:
+            return None if curve is None else tuple(1.0 + (v - 1.0) / batch for v in curve)
+
+        return dataclasses.replace(self, verify=share(self.verify),
+                                   long_verify=share(self.long_verify))
+
+    def tree(self, width: int, max_nodes: int = MAX_TREE_NODES,
+             nodes: float | None = None) -> CostModel:
+        """The prices of token trees `width` wide, by depth: verify[k] = v(nodes k + 1), a pass
+        over the tree's nodes and the root, extended past the measured positions along the
+        last measured step; depth up to max_nodes // width. nodes: the nodes a depth is priced
+        at (default width; fewer where trees are cut before verifying). Width 1 is this model.
+        """
+        if width <= 1:
+            return self
+        depth = max(1, max_nodes // width)
+        nodes = float(width if nodes is None else nodes)
+        return dataclasses.replace(self, verify=tuple(self.v(nodes * k + 1)
+                                                      for k in range(depth + 1)))
+
+    def v(self, positions: float) -> float:
+        """v(positions), between measured positions along the line joining them, past them
+        along the last measured step."""
+        if self.long_verify is not None:
+            raise ValueError("price passes at a context: costs.at(context)")
+        last = len(self.verify)
+        if positions <= last:
+            below = max(1, int(positions))
+            above = min(last, below + 1)
+            return self.verify[below - 1] + (positions - below) * (
+                self.verify[above - 1] - self.verify[below - 1])
+        slope = self.verify[-1] - self.verify[-2] if last > 1 else 0.0
+        return self.verify[-1] + slope * (positions - last)
+
+
+
+def fastest(fns: list, repeats: int) -> list[float]:
+    """The fastest of `repeats` timings of each fn, timed in interleaved rounds (fn 1, 2, ...,
+    then again), so a burst of machine noise costs one sample of each, not every sample of one.
+    The minimum, not the median: noise only ever adds time."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def verify_curve(pass_s: list[float]) -> tuple[float, ...]:
+    """v(n) = pass_s[n-1] / pass_s[0], made non-decreasing from the right: a pass over more
+    positions cannot be cheaper, so a noisy sample above a later one is lowered to it (rather
+    than raising every later value to a spike)."""
+    unit = pass_s[0]
+    curve = [seconds / unit for seconds in pass_s]
+    for n in range(len(curve) - 2, -1, -1):
+        curve[n] = min(curve[n], curve[n + 1])
+    return tuple(max(1.0, v) for v in curve)
+
+
+def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: int = 5,
+                  long_context: int = 1024) -> CostModel:
+    """Time target passes over 1..k_max+1 positions and one draft step after `context` tokens,
+    and the passes again after `long_context` tokens (where the model's context allows).
+
+    Uses the real runtime objects: `target` is a Runner, `drafter` any Drafter (None
+    gives c = 0). Fastest of `repeats` interleaved timings; the caches are warmed first.
+    """
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(target.vocab_size, 1000)
+    extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
+
+    def pass_times(length: int) -> tuple[list[float], torch.Tensor]:
+        history = torch.randint(0, vocab, (length,), generator=generator)
+        target.logits(history, 1)  # prefill, and warm up
+        return fastest([lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
+                        for n in range(1, k_max + 2)], repeats), history
+
+    def draft_time(history: torch.Tensor, params: SamplingParams | None = None) -> float:
+        if drafter is None:
+            return 0.0
+        params = params or SamplingParams()
+        rng = None if params.greedy else torch.Generator().manual_seed(0)
+        drafter.propose(history, 1, params, rng)
+        # One draft token after the history: the drafter's cache holds all but the last token.
+        step = [lambda: drafter.propose(torch.cat([history, extra[:1]]), 1, params, rng),
+                lambda: drafter.propose(history, 1, params, rng)]
+        return fastest(step, repeats)[0]
+
+    long_verify = long_draft = None
+    if context < long_context <= target.max_positions - k_max - 1:
+        long_s, long_history = pass_times(long_context)
+        long_verify = verify_curve(long_s)
+        long_draft = draft_time(long_history) / long_s[0]
+    pass_s, history = pass_times(context)
+    draft_s = draft_time(history)
+    sampled_s = max(0.0, draft_time(history, SamplingParams(temperature=1.0)) - draft_s)
+    return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
+                     target_step_s=pass_s[0], long_verify=long_verify,
+                     contexts=(context, long_context), long_draft_step=long_draft,
+                     sampling_step=(sampled_s + sampled_verify_time(
+                         target.vocab_size, repeats)) / pass_s[0])
+
+
+def sampled_verify_time(vocab_size: int, repeats: int) -> float:
+    """Seconds that verifying one sampled draft token adds to plain sampling: the target's
+    distribution warped at two positions and the rejection step, against warping one and
+    drawing from it (random logits; the times do not depend on them). A round of one token:
+    the round's fixed part (the draw after the last position) is charged to its token, which
+    overprices longer rounds a little, on the side of not drafting."""
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(2, vocab_size, generator=generator)  # [2, V]
+    draft_probs = torch.softmax(torch.randn(1, 1, vocab_size, generator=generator), -1)
+    tokens = torch.randint(0, vocab_size, (1, 1), generator=generator)
+    plain, drafted = fastest([
+        lambda: sample(warp(logits[:1], params), generator),
+        lambda: rejection_sample(tokens, draft_probs, warp(logits[None], params), generator)],
+        repeats)
+    return max(0.0, drafted - plain)
+
+
+def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
+                        repeats: int = 3, long_context: int = 1024,
+                        greedy_trees: bool = False) -> CostModel:
+    """The cost model of a batch of `batch` sequences, in units of one plain batched step
+    (every row one position): v(n) times a pass where every row has n positions, c one draft
+    step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
+    Drafter (its forks draft the rows) or None. greedy_trees: whether greedy rows draft token
+    trees at this batch size (as `propose_batch` takes it): c is timed drafting the same way
+    (a tree's first step costs ~1.35x a chain's at batch 4 and 16)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(target.vocab_size, 1000)
+    runners = [target.sibling() for _ in range(batch)]
+    extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
+
+    def pass_times(length: int) -> tuple[list[float], list[torch.Tensor]]:
+        histories = [torch.randint(0, vocab, (length,), generator=generator) for _ in runners]
+        batched_logits(runners, histories, [1] * batch)  # prefill, and warm up
+        return fastest([lambda n=n: batched_logits(
+            runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
+            for n in range(1, k_max + 2)], repeats), histories
+
+    long_verify = None
+    if context < long_context <= target.max_positions - k_max - 1:
+        long_verify = verify_curve(pass_times(long_context)[0])
+    pass_s, histories = pass_times(context)
+    draft_s = 0.0
+    if drafter is not None:
+        drafters = [drafter.fork() for _ in runners]
+        for row_drafter, runner in zip(drafters, runners, strict=True):
+            follow_target(row_drafter, runner)
+        greedy = [SamplingParams()] * batch
+
+        def draft_step() -> None:
+            propose_batch(drafters, histories, [1] * batch, greedy, [None] * batch,
+                          greedy_trees=greedy_trees)
+
+        draft_step()
+        draft_s = fastest([draft_step], repeats)[0]
+    return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
+                     target_step_s=pass_s[0], long_verify=long_verify,
+                     contexts=(context, long_context))
+

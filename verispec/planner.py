@@ -1,0 +1,126 @@
+"""The round planner: how much every row of a round drafts and verifies.
+
+One plan a round, for the whole batch (a lone prompt is a batch of one):
+  prices     the batch's cost model at its rows' mean length (`decoder.batch_costs`), and each
+             row's share of it for its own extra positions (`CostModel.row_share`);
+  K          a row alone: its policy's best K at its prices; a batch: one K for all rows
+             (`theory.batch_optimal_k`), 0 where the bigger pass stops paying;
+  lookups    asked for up to k_max tokens (they cost nothing to propose), then cut by kind;
+  trees      their width (greedy rows draft trees only in small batches), then pruned to the
+             tokens that pay (`KPolicy.tree_size`);
+  the batch  every row's chain cut at the whole batch's prices (`theory.batch_allocation`).
+Policies are read and asked, never re-priced: the planner hands each its prices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from verispec.config import DecodeConfig
+from verispec.costs import CostModel
+from verispec.drafters.base import Draft
+from verispec.drafters.hybrid import tree_width_of
+from verispec.policy import AdaptiveK
+from verispec.request import Request
+from verispec.theory import batch_allocation, batch_optimal_k
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    k: int  # draft-model tokens to ask for (0: the draft model does not run for this row)
+    free_k: int  # lookup tokens to ask for
+    width: int  # the width of the trees its draft model proposes (1: chains)
+    prices: CostModel | None  # its share of the pass at the batch's context; None: unpriced
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    rows: tuple[RowPlan, ...]
+    greedy_trees: bool  # whether greedy rows draft token trees this round
+    batch_prices: CostModel | None  # the whole batch's, for the batch-wide cut
+
+
+class RoundPlanner:
+    def __init__(self, drafter, config: DecodeConfig,
+                 batch_costs: Callable[[int], CostModel]) -> None:
+        """drafter: the decoder's (None: plain decoding); batch_costs(n): the cost model of a
+        batch of n rows, measured on first use."""
+        self.drafter, self.config, self.batch_costs = drafter, config, batch_costs
+
+    def plan(self, requests: Sequence[Request]) -> RoundPlan:
+        rows = len(requests)
+        greedy_trees = rows <= self.config.tree_max_batch
+        if self.drafter is None or not rows:
+            return RoundPlan(tuple(RowPlan(0, 0, 1, None) for _ in requests), greedy_trees, None)
+        widths = [tree_width_of(self.drafter, r.params) if greedy_trees or not r.params.greedy
+                  else 1 for r in requests]
+        batch_prices = row_prices = None
+        if all(isinstance(r.policy, AdaptiveK) for r in requests):
+            context = sum(r.context for r in requests) // rows
+            batch_prices = self.batch_costs(rows).at(context)
+            row_prices = batch_prices.row_share(rows)
+        # 1. K: a row alone takes its own best; a batch shares one (a tree's depth where rows
+        #    draft trees, priced as the widest row's policy prices its trees).
+        if batch_prices is None or rows == 1:
+            ks = [r.policy.next_k(row_prices, width)
+                  for r, width in zip(requests, widths, strict=True)]
+        else:
+            ks = [self._batch_k(requests, widths, batch_prices)] * rows
+        # 2. Lookups: as many as a lookup may propose; keep() cuts them by kind.
+        free_ks = [r.policy.next_k(row_prices, width, free=True)
+                   for r, width in zip(requests, widths, strict=True)]
+        plans = tuple(RowPlan(r.draft_budget(k), r.draft_budget(free_k), width, row_prices)
+                      for r, k, free_k, width in zip(requests, ks, free_ks, widths, strict=True))
+        return RoundPlan(plans, greedy_trees, batch_prices)
+
+    def lookup_keep(self, request: Request, row: RowPlan) -> Callable[[Draft], int]:
+        """How many of a lookup's tokens the row would verify (propose_batch asks, to let a
+        hybrid row fall back to its draft model when it would verify none)."""
+        return lambda draft: request.policy.keep(row.prices, row.width, draft.source, len(draft))
+
+    def keep(self, requests: Sequence[Request], drafts: Sequence[Draft],
+             plan: RoundPlan) -> list[Draft]:
+        """Each row's draft cut to what it pays for: by its kind of proposal, a tree pruned to
+        its likeliest tokens, then every chain cut at the whole batch's prices."""
+        kept = []
+        for request, draft, row in zip(requests, drafts, plan.rows, strict=True):
+            draft = draft.truncated(request.policy.keep(row.prices, row.width, draft.source,
+                                                        draft.depth))
+            if draft.scores is not None:
+                draft = draft.pruned(request.policy.tree_size(row.prices, draft.scores,
+                                                              draft.depth))
+            kept.append(draft)
+        if plan.batch_prices is not None and len(requests) > 1:
+            kept = self._allocate(requests, kept, plan.batch_prices)
+        return kept
+
+    def _batch_k(self, requests: Sequence[Request], widths: list[int],
+                 prices: CostModel) -> int:
+        widest = max(range(len(requests)), key=lambda i: widths[i])
+        costs = requests[widest].policy.tree_costs(prices, widths[widest])
+        if costs.draft_step < self.config.cheap_draft:
+            return costs.k_max
+        gammas = [r.policy.gamma(0) for r in requests]
+        return batch_optimal_k(gammas, costs.draft_step, costs.verify, costs.k_max,
+                               min_speedup=self.config.batch_margin)
+
+    def _allocate(self, requests: Sequence[Request], drafts: list[Draft],
+                  prices: CostModel) -> list[Draft]:
+        """Every row's chain cut to what pays for the whole batch (`theory.batch_allocation`:
+        a token is verified while its chance of acceptance, gamma^j by its kind of proposal,
+        beats what its place in the pass costs all the rows). Trees are kept whole: their
+        size was priced when they were pruned."""
+        rows = len(requests)
+        chain = [d.parents is None for d in drafts]
+        fixed = sum(len(d) for d, is_chain in zip(drafts, chain, strict=True) if not is_chain)
+        gains = []  # one list per row (every row emits a token: the rate's base)
+        for request, draft, is_chain in zip(requests, drafts, chain, strict=True):
+            if not is_chain or not len(draft):
+                gains.append([])
+                continue
+            gamma = request.policy.gamma(draft.source)
+            gains.append([gamma ** (j + 1) for j in range(len(draft))])
+        kept = batch_allocation(gains, lambda extra: prices.v(1 + (fixed + extra) / rows))
+        return [d.truncated(count) if is_chain else d
+                for d, count, is_chain in zip(drafts, kept, chain, strict=True)]
