@@ -1,0 +1,243 @@
+"""The quantised-weight kernels (verispec.quant.kernels) on both paths, AVX2 and portable:
+exact dequantisation against gguf-py, products against an fp32 reference within the bound the
+int8 activations allow, and a row's output the same bits whatever rows and threads share the
+call (batch invariance), the same bits on both paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as reference_dequantize
+from gguf.quants import quantize as reference_quantize
+
+from verispec.quant import kernels
+
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf-py has quantizers for these
+# Where each block keeps its fp16 fields, and its code bytes (the rest: K-type scale bytes).
+HALVES = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
+          T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+CODES = {T.Q4_0: (2, 18), T.Q4_1: (4, 20), T.Q5_0: (2, 22), T.Q5_1: (4, 24), T.Q8_0: (2, 34),
+         T.Q4_K: (16, 144), T.Q5_K: (16, 176), T.Q6_K: (0, 192)}
+PATHS = [path for path in ("scalar", "avx2") if kernels.load(path) is not None]
+
+
+def row_values(qtype) -> int:
+    """K for the tests: two K-type super-blocks; 13 blocks of 32 otherwise (8 + a short group)."""
+    return 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 13 * 32
+
+
+def random_blocks(qtype, n: int, k: int, seed: int) -> torch.Tensor:
+    """Valid blocks with random codes and scales: every code pattern (Q8_0's -128 included, which
+    gguf's quantizer never writes), fp16 fields of either sign, some zero or subnormal."""
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // block_size, block_bytes), dtype=np.uint8)
+    for offset in HALVES[qtype]:
+        halves = rng.uniform(-1, 1, size=len(blocks)) * 10.0 ** rng.uniform(-4, -1, len(blocks))
+        halves[rng.random(len(blocks)) < 0.05] = 0.0
+        halves[rng.random(len(blocks)) < 0.05] = 3e-6  # subnormal in fp16
+        blocks[:, offset:offset + 2] = halves.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def quantized_blocks(qtype, n: int, k: int, seed: int) -> torch.Tensor:
+    """Weights as a GGUF writer makes them (gguf-py's own quantizer)."""
+    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return torch.from_numpy(reference_quantize(values, qtype))
+
+
+def weights(qtype, n: int, k: int, seed: int) -> torch.Tensor:
+    if qtype in QUANTIZABLE and seed % 2 == 0:
+        return quantized_blocks(qtype, n, k, seed)
+    return random_blocks(qtype, n, k, seed)
+
+
+def activations(r: int, k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, k, generator=generator)
+    x[:, 5] *= 30.0  # an outlier feature, as real activations have: coarse blocks
+    return x
+
+
+def reference(weight: torch.Tensor, qtype) -> torch.Tensor:
+    return torch.from_numpy(reference_dequantize(weight.numpy(), qtype))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+# (a) dequantisation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_gguf_bit_for_bit(path, qtype):
+    module = kernels.load(path)
+    for seed in (0, 1):
+        weight = weights(qtype, 7, row_values(qtype), seed)
+        expected = reference(weight, qtype)
+        assert torch.equal(bits(module.dequantize(weight, int(qtype))), bits(expected))
+        ids = torch.tensor([6, 0, 3, 3], dtype=torch.int64)
+        assert torch.equal(bits(module.get_rows(weight, int(qtype), ids)), bits(expected[ids]))
+
+
+def test_get_rows_keeps_the_ids_shape():
+    weight = weights(T.Q4_K, 9, 256, 1)
+    rows = kernels.get_rows(weight, T.Q4_K, torch.tensor([[8, 1], [1, 0]]))
+    assert rows.shape == (2, 2, 256)
+    assert torch.equal(bits(rows[0, 1]), bits(reference(weight, T.Q4_K)[1]))
+
+
+# (b) products against fp32 -------------------------------------------------------------------
+
+
+def additive_part(weight: torch.Tensor, qtype) -> torch.Tensor:
+    """Each weight's value at code 0 (Q4_0's -8 d, Q4_K's -dmin m, ...): the part of the value
+    the kernel carries in float beside the integer products."""
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    zeroed = weight.clone().reshape(-1, block_bytes)
+    first, last = CODES[qtype]
+    zeroed[:, first:last] = 0
+    if qtype == T.Q6_K:  # its code 0 is stored as 32 (q - 32)
+        zeroed[:, 128:192] = 0xAA  # high pairs 2 -> 32 with zero low nibbles
+    return reference(zeroed.reshape(weight.shape), qtype)
+
+
+def error_bound(x: torch.Tensor, weight: torch.Tensor, qtype) -> torch.Tensor:
+    """|y - x @ W.T| per output: each activation is off its int8 code by at most d_x / 2
+    (d_x = max|x| / 127 over its block of 32), so a block contributes at most d_x / 2 * sum|w|;
+    plus fp32 rounding, bounded by 1e-5 of the sum of the magnitudes the kernel adds (the
+    integer part, |w - c|, and the additive part c, twice)."""
+    w = reference(weight, qtype).double()  # [N, K]
+    c = additive_part(weight, qtype).double()
+    x = x.double()
+    d_x = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / 127  # [R, K / 32]
+    half_steps = (d_x / 2).repeat_interleave(32, dim=1)  # [R, K]
+    quantisation = half_steps @ w.abs().T
+    magnitudes = (x.abs() + half_steps) @ ((w - c).abs() + 2 * c.abs()).T
+    return quantisation + 1e-5 * magnitudes
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_within_the_activation_bound(path, qtype):
+    module = kernels.load(path)
+    k = row_values(qtype)
+    for seed in (0, 1):
+        weight = weights(qtype, 24, k, seed)
+        x = activations(5, k, seed)
+        y = module.matmul(x, weight, int(qtype))
+        exact = x.double() @ reference(weight, qtype).double().T
+        bound = error_bound(x, weight, qtype)
+        assert torch.all((y.double() - exact).abs() <= bound), (y.double() - exact).abs().max()
+        # the bound means something: well below the outputs' own scale (the outlier block and
+        # random block scales of 1e-4 .. 1e-1 put it at 2-8% of sum |x| |w|)
+        scale = x.double().abs() @ reference(weight, qtype).double().abs().T
+        assert torch.all(bound < 0.1 * scale)
+
+
+def test_matmul_bound_catches_a_wrong_weight():
+    """Negative control: the bound rejects a product with a different weight of the same type."""
+    module = kernels.load(PATHS[0])
+    weight, other = weights(T.Q4_K, 24, 512, 1), weights(T.Q4_K, 24, 512, 3)
+    x = activations(5, 512, 0)
+    y = module.matmul(x, other, int(T.Q4_K))
+    exact = x.double() @ reference(weight, T.Q4_K).double().T
+    assert not torch.all((y.double() - exact).abs() <= error_bound(x, weight, T.Q4_K))
+
+
+# (c) batch invariance and the two paths ------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_output_does_not_depend_on_the_other_rows_or_threads(path, qtype):
+    module = kernels.load(path)
+    k = row_values(qtype)
+    weight = weights(qtype, 40, k, 1)
+    x = activations(40, k, 7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = module.matmul(x, weight, int(qtype))  # [40, 40]
+        for rows in range(1, 41):  # rows 0..rows-1 alone: tiles of 16 cut them differently
+            assert torch.equal(bits(module.matmul(x[:rows], weight, int(qtype))),
+                               bits(together[:rows])), rows
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(bits(module.matmul(x[order], weight, int(qtype))),
+                           bits(together[order]))
+        torch.set_num_threads(1)
+        assert torch.equal(bits(module.matmul(x, weight, int(qtype))), bits(together))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU runs only the portable path")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_both_paths_give_the_same_bits(qtype):
+    k = row_values(qtype)
+    for seed in (0, 1):
+        weight = weights(qtype, 33, k, seed)
+        x = activations(19, k, seed)
+        scalar, avx2 = (kernels.load(p).matmul(x, weight, int(qtype)) for p in ("scalar", "avx2"))
+        assert torch.equal(bits(scalar), bits(avx2))
+
+
+@pytest.mark.parametrize("setting, expected", [("scalar", "scalar"), ("0", "off")])
+def test_the_environment_chooses_the_path(setting, expected):
+    code = ("import torch; from verispec.quant import kernels; from gguf import "
+            "GGMLQuantizationType as T; print(kernels.path); "
+            "w = torch.zeros(3, 144, dtype=torch.uint8); "
+            "print(kernels.matmul(torch.ones(2, 256), w, T.Q4_K).shape)")
+    env = {**os.environ, "VERISPEC_KERNELS": setting}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[0] == expected and out[1] == "torch.Size([2, 3])"
+
+
+def test_bfloat16_activations_are_their_float32_values():
+    weight = weights(T.Q6_K, 8, 256, 1)
+    x = activations(3, 256, 2).to(torch.bfloat16)
+    assert torch.equal(bits(kernels.matmul(x, weight, T.Q6_K)),
+                       bits(kernels.matmul(x.float(), weight, T.Q6_K)))
+
+
+def test_leading_dimensions_are_kept():
+    weight = weights(T.Q8_0, 8, 64, 0)
+    x = activations(6, 64, 2)
+    y = kernels.matmul(x.reshape(2, 3, 64), weight, T.Q8_0)
+    assert y.shape == (2, 3, 8) and torch.equal(bits(y.reshape(6, 8)),
+                                                bits(kernels.matmul(x, weight, T.Q8_0)))
+
+
+# (e) bad input -------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_a_clear_message():
+    weight = weights(T.Q4_K, 4, 256, 1)  # rows of 144 bytes: K = 256
+    x = activations(2, 256, 0)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        kernels.matmul(x, weight[:, :100].contiguous(), T.Q4_K)
+    with pytest.raises(ValueError, match="has no quantised kernel"):
+        kernels.matmul(x, weight, T.Q2_K)
+    with pytest.raises(ValueError, match="has no quantised kernel"):
+        kernels.dequantize(weight, 99)
+    with pytest.raises(ValueError, match="not a multiple of Q4_K's block of 256"):
+        kernels.matmul(activations(2, 100, 0), weight, T.Q4_K)
+    with pytest.raises(ValueError, match="K = 512 features but the Q4_K weight's rows hold 256"):
+        kernels.matmul(activations(2, 512, 0), weight, T.Q4_K)
+    with pytest.raises(ValueError, match="uint8 tensor"):
+        kernels.matmul(x, weight.to(torch.int16), T.Q4_K)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.matmul(x.to(torch.int32), weight, T.Q4_K)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\)"):
+        kernels.get_rows(weight, T.Q4_K, torch.tensor([0, 4]))

@@ -1,0 +1,196 @@
+"""Products with GGUF-quantised weights at the file's own bit width (C++ kernels in kernels/).
+
+A weight is the file's raw bytes for one tensor, a uint8 tensor [N, row_bytes] (N output
+features; row_bytes = K / block_size * block_bytes, ggml's block layouts), with its type, a
+`gguf.GGMLQuantizationType` value: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K.
+
+    y = matmul(x, weight, qtype)       # x [R, K] float32 / bfloat16 -> y [R, N] float32
+    w = dequantize(weight, qtype)      # [N, K] float32, the bits of gguf.quants.dequantize
+    e = get_rows(weight, qtype, ids)   # ids [...] -> [..., K] float32 (embedding lookup)
+
+matmul quantises each row of x per block of 32 to int8 with one fp32 scale (llama.cpp's Q8_0
+activations), takes integer dot products per block and accumulates in fp32 in one fixed order
+(kernels/dot.h), so a row's output is the same bits whatever other rows share the call and
+whatever the thread count: speculative greedy decoding equals plain greedy. Its error against
+x @ dequantize(weight).T comes from the activation codes: at most d_x / 2 (d_x = max|x| / 127
+over the element's block) times |w| per element.
+
+Paths, chosen once per process at first use (`path` says which; a log line too):
+"avx2" where the CPU has AVX2, FMA and F16C; "scalar" (portable C++) otherwise. Both give the
+same bits. VERISPEC_KERNELS=scalar forces the portable path; VERISPEC_KERNELS=0 turns the
+extension off ("off": products then run in PyTorch over dequantised weights, not batch
+invariant). Each path is a C++ extension built with the system compiler on first use (~1 min)
+and cached in $XDG_CACHE_HOME/verispec/quant-kernels (by default ~/.cache/...).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+log = logging.getLogger("verispec")
+
+SOURCES = Path(__file__).with_name("kernels")
+TYPES = tuple(GGMLQuantizationType[name] for name in
+              ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+# -ffp-contract=off: dequantisation must round each product and sum as NumPy does, and the
+# products' FMAs are written out, so that both paths run the same operations.
+FLAGS = {"scalar": ["-O3", "-fopenmp", "-ffp-contract=off"],
+         "avx2": ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c"]}
+
+
+def __getattr__(name: str):  # `path` is decided (and the extension built) at first use
+    if name == "path":
+        return _active()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def cpu_has_avx2() -> bool:
+    """AVX2, FMA and F16C, as the OS reports them (Linux); elsewhere the portable path runs."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= flags
+
+
+def load(path: str) -> ModuleType | None:
+    """The compiled kernels of one path ("avx2" or "scalar"), or None where they cannot run or
+    build here. Tests load both paths in one process to compare them."""
+    if path not in FLAGS:
+        raise ValueError(f"unknown kernel path {path!r}; the paths are {sorted(FLAGS)}")
+    if path == "avx2" and not cpu_has_avx2():
+        return None
+    return _build(path)
+
+
+@functools.cache
+def _build(path: str) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    # One folder per torch version and path; ninja rebuilds only what changed in it (the
+    # module's torch bindings take a minute; a kernel translation unit seconds).
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = base / "verispec" / "quant-kernels" / f"torch-{torch.__version__}-{path}"
+    folder.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name=f"verispec_quant_{path}", build_directory=str(folder),
+            sources=[str(SOURCES / "module.cpp"), str(SOURCES / f"{path}.cpp")],
+            extra_cflags=FLAGS[path], extra_ldflags=["-lgomp"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, a failed build
+        lines = str(err).strip().splitlines()
+        log.warning("quantised kernels: could not build the %s path (%s)", path,
+                    lines[-1] if lines else type(err).__name__)
+        return None
+    if time.perf_counter() - began > 2:
+        log.info("quantised kernels: built the %s path in %.0f s (cached)", path,
+                 time.perf_counter() - began)
+    return module
+
+
+@functools.cache
+def _active() -> tuple[str, ModuleType | None]:
+    wanted = os.environ.get("VERISPEC_KERNELS", "1")
+    if wanted == "0":
+        log.info("quantised kernels: off (VERISPEC_KERNELS=0); products in PyTorch")
+        return "off", None
+    for path in ("scalar",) if wanted == "scalar" or not cpu_has_avx2() else ("avx2", "scalar"):
+        module = load(path)
+        if module is not None:
+            log.info("quantised kernels: %s path", path)
+            return path, module
+    log.warning("quantised kernels: none could be built; products in PyTorch")
+    return "off", None
+
+
+def _layout(qtype) -> tuple[GGMLQuantizationType, int, int]:
+    try:
+        qtype = GGMLQuantizationType(int(qtype))
+    except (ValueError, TypeError):
+        qtype = None
+    if qtype not in TYPES:
+        names = ", ".join(t.name for t in TYPES)
+        raise ValueError(f"GGUF type {qtype!r} has no quantised kernel; supported: {names}")
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    return qtype, block_size, block_bytes
+
+
+def row_length(weight: torch.Tensor, qtype) -> int:
+    """K, the values in one row of `weight` ([N, row_bytes] uint8), checking the row's bytes
+    hold whole blocks of `qtype`."""
+    qtype, block_size, block_bytes = _layout(qtype)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.uint8 or weight.dim() != 2:
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else "-"
+        raise ValueError(f"a {qtype.name} weight is a uint8 tensor [N, row_bytes]; got {got} "
+                         f"of shape {shape}")
+    row_bytes = weight.shape[1]
+    if row_bytes == 0 or row_bytes % block_bytes:
+        raise ValueError(f"{qtype.name} weight rows of {row_bytes} bytes are not whole blocks "
+                         f"({block_bytes} bytes per {block_size} values)")
+    return row_bytes // block_bytes * block_size
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, qtype) -> torch.Tensor:
+    """y [..., N] float32 = x [..., K] @ dequantize(weight).T, by int8 products (module doc)."""
+    qtype, block_size, block_bytes = _layout(qtype)
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16) \
+            or x.dim() == 0:
+        raise ValueError(f"x must be a float32 or bfloat16 tensor [..., K]; got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    features = x.shape[-1]
+    if features % block_size:
+        raise ValueError(f"K = {features} is not a multiple of {qtype.name}'s block of "
+                         f"{block_size} values")
+    K = row_length(weight, qtype)
+    if features != K:
+        raise ValueError(f"x has K = {features} features but the {qtype.name} weight's rows "
+                         f"hold {K} ({weight.shape[1]} bytes)")
+    rows = x.reshape(-1, K).to(torch.float32).contiguous()  # [R, K]
+    module = _active()[1]
+    if module is None:
+        y = rows @ dequantize(weight, qtype).T
+    else:
+        y = module.matmul(rows, weight.contiguous(), int(qtype))  # [R, N]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def dequantize(weight: torch.Tensor, qtype) -> torch.Tensor:
+    """weight [N, row_bytes] -> [N, K] float32, bit for bit gguf.quants.dequantize."""
+    qtype, _, _ = _layout(qtype)
+    row_length(weight, qtype)
+    module = _active()[1]
+    if module is None:
+        from gguf.quants import dequantize as reference
+
+        return torch.from_numpy(reference(np.ascontiguousarray(weight.numpy()), qtype))
+    return module.dequantize(weight.contiguous(), int(qtype))
+
+
+def get_rows(weight: torch.Tensor, qtype, ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` (any shape of integers in [0, N)) of weight, dequantised: [*ids, K]."""
+    qtype, _, _ = _layout(qtype)
+    K = row_length(weight, qtype)
+    ids = torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be integers; got {ids.dtype}")
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.shape[0]):
+        raise ValueError(f"ids must lie in [0, {weight.shape[0]}); got {int(flat.min())} .. "
+                         f"{int(flat.max())}")
+    module = _active()[1]
+    if module is None:
+        rows = dequantize(weight[flat], qtype)
+    else:
+        rows = module.get_rows(weight.contiguous(), int(qtype), flat)
+    return rows.reshape(*ids.shape, K)

@@ -1,0 +1,8 @@
+// The AVX2 kernel path (built with -mavx2 -mfma -mf16c; loaded only where the CPU has all
+// three, which verispec/quant/kernels.py checks).
+
+#include "avx2.h"
+#include "rows.h"
+
+vq::RowsFn vq::rows_for(int type) { return rows_table<Avx2Kernel>(type); }
+const char* vq::path_name() { return "avx2"; }
