@@ -15,6 +15,7 @@ from tqdm import tqdm
 from verispec import loading
 from verispec.bench.batch import run_batch_bench, write_batch_outputs
 from verispec.bench.config import BenchConfig
+from verispec.bench.interleave import rotated
 from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench import llamacpp
@@ -163,11 +164,6 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
             methods.append(HFMethod(name, model, eos_ids, assistant_model=assistant_model))
     llamacpp.add_methods(config, methods, notes)
     return methods, notes
-
-
-def rotated(items: list, shift: int) -> list:
-    shift %= len(items)
-    return items[shift:] + items[:shift]
 
 
 def prompt_records(prompt, prompt_tokens: int, methods, runs: dict[str, MethodRun],
