@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_gpt2
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.decoder import make_drafter
 from verispec.drafters import NgramDrafter
+from verispec.drafters.load import load_drafter
 from verispec.errors import IncompatibleDraftError, ModelNotFoundError
 
 
@@ -108,17 +108,17 @@ def test_vocabulary_mismatch(text_target, tokenizer, tmp_path):
     small = tiny_gpt2(100, seed=0)
     small.save_pretrained(tmp_path / "small")
     with pytest.raises(IncompatibleDraftError, match="vocabulary"):
-        make_drafter(tmp_path / "small", text_target, tokenizer)
+        load_drafter(tmp_path / "small", text_target, tokenizer)
     tokenizer.save_pretrained(tmp_path / "small")
     with pytest.raises(IncompatibleDraftError, match="vocabulary mismatch"):
-        make_drafter(tmp_path / "small", text_target, tokenizer)
+        load_drafter(tmp_path / "small", text_target, tokenizer)
 
 
 def test_padding_rows_beyond_the_tokenizer_are_allowed(text_target, tokenizer, tmp_path):
     padded = tiny_gpt2(len(tokenizer) + 63, seed=0)  # embedding padded to a multiple of 64
     padded.save_pretrained(tmp_path / "padded")
     tokenizer.save_pretrained(tmp_path / "padded")
-    drafter = make_drafter(tmp_path / "padded", text_target, tokenizer)
+    drafter = load_drafter(tmp_path / "padded", text_target, tokenizer)
     decoder = SpeculativeDecoder(text_target, tokenizer, drafter, k=3)
     plain = SpeculativeDecoder(text_target, tokenizer, None)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)

@@ -16,12 +16,13 @@ from conftest import EOS_ID, byte_tokenizer, tiny_llama
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.bench.prompts import BUILTIN
 from verispec.cli import main
-from verispec.decoder import make_drafter
-from verispec.distill import DistillConfig, distill, is_distilled_draft, load_draft
+from verispec.distill import DistillConfig, distill
 from verispec.distill.data import load_shard
 from verispec.distill.prompts import builtin_prompts
 from verispec.distill.train import TrainSettings, head_vocabulary, prepare, train
 from verispec.drafters import ModelDrafter
+from verispec.drafters.folder import is_distilled_draft, load_draft
+from verispec.drafters.load import load_drafter
 from verispec.errors import IncompatibleDraftError
 from verispec.sampling import warp
 
@@ -131,7 +132,7 @@ def test_draft_folder_is_small_and_loads(run, config, target):
 
 def test_distilled_draft_greedy_equals_plain_greedy(run, target):
     model, tokenizer = target
-    drafter = make_drafter(str(run.draft), model, tokenizer)
+    drafter = load_drafter(str(run.draft), model, tokenizer)
     assert isinstance(drafter, ModelDrafter) and drafter.head_token_ids is not None
     plain = SpeculativeDecoder(model, tokenizer, drafter=None)
     spec = SpeculativeDecoder(model, tokenizer, drafter, k=4)

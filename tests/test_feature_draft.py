@@ -17,11 +17,12 @@ from conftest import EOS_ID, always_accept, byte_tokenizer, chi2_pvalue, tiny_ll
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import engine as engine_module
 from verispec import scheduler as scheduler_module
-from verispec.decoder import make_drafter
 from verispec.distill import DistillConfig, distill
-from verispec.distill.feature import FeatureHead, FrozenHead, is_feature_draft
+from verispec.distill.feature import FeatureHead, FrozenHead
 from verispec.drafters import HybridDrafter
 from verispec.drafters.feature import FeatureDrafter
+from verispec.drafters.folder import is_feature_draft
+from verispec.drafters.load import load_drafter
 from verispec.errors import IncompatibleDraftError
 from verispec.runtime.native import NativeLlama, NativeRunner
 from verispec.runtime.native.llama import LlamaShape
@@ -78,7 +79,7 @@ def test_the_folder_is_small_and_loads_as_a_feature_drafter(run, target):
     assert meta["kind"] == "feature" and meta["head_vocab"] == 160
     weights = safetensors.torch.load_file(str(result.draft / "draft.safetensors"))
     assert all(VOCAB not in w.shape for w in weights.values())  # no vocabulary-sized table
-    assert isinstance(make_drafter(str(result.draft), model, tokenizer), FeatureDrafter)
+    assert isinstance(load_drafter(str(result.draft), model, tokenizer), FeatureDrafter)
     assert "native runtime" in (result.draft / "README.md").read_text()
 
 
@@ -86,7 +87,7 @@ def test_the_folder_is_small_and_loads_as_a_feature_drafter(run, target):
 def test_greedy_with_the_feature_draft_equals_plain_greedy(run, target, dtype):
     _, result = run
     model, tokenizer = target
-    drafter = make_drafter(str(result.draft), model, tokenizer)
+    drafter = load_drafter(str(result.draft), model, tokenizer)
     plain = SpeculativeDecoder(model, tokenizer, None, runtime="native", dtype=dtype)
     spec = SpeculativeDecoder(model, tokenizer, drafter, k=4, runtime="native", dtype=dtype)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -124,7 +125,7 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
         or verify_tree(tokens, parents, logits)))
     batch_trees = []
     for name in (str(result.draft), f"hybrid:{result.draft}"):
-        drafter = make_drafter(name, model, tokenizer)
+        drafter = load_drafter(name, model, tokenizer)
         feature = drafter.model if isinstance(drafter, HybridDrafter) else drafter
         feature.tree_width = feature.sampled_tree_width = 3
         for k in (3, "auto"):
@@ -167,7 +168,7 @@ def test_verispec_costs_measures_a_feature_draft(run, target_folder, capsys):
 def test_a_target_without_kept_features_is_refused(run, target):
     _, result = run
     model, tokenizer = target
-    drafter = make_drafter(str(result.draft), model, tokenizer)
+    drafter = load_drafter(str(result.draft), model, tokenizer)
     with pytest.raises(IncompatibleDraftError, match="native runtime"):
         SpeculativeDecoder(model, tokenizer, drafter, runtime="hf")
 
@@ -178,7 +179,7 @@ def test_hybrid_lookup_with_a_feature_draft_equals_plain_greedy_alone_and_in_a_b
     next. Output stays the target's, alone and batched."""
     _, result = run
     model, tokenizer = target
-    drafter = make_drafter(f"hybrid:{result.draft}", model, tokenizer)
+    drafter = load_drafter(f"hybrid:{result.draft}", model, tokenizer)
     assert isinstance(drafter, HybridDrafter) and isinstance(drafter.model, FeatureDrafter)
     plain = SpeculativeDecoder(model, tokenizer, None, runtime="native")
     spec = SpeculativeDecoder(model, tokenizer, drafter, k=4, runtime="native")
@@ -282,7 +283,7 @@ def test_distill_with_taps_writes_a_draft_that_reads_them_and_keeps_greedy_exact
     card = (result.draft / "README.md").read_text()
     assert "--feature-taps 1 2" in card and "after its layers 1, 2" in card
     model, tokenizer = target
-    drafter = make_drafter(str(result.draft), model, tokenizer)
+    drafter = load_drafter(str(result.draft), model, tokenizer)
     assert drafter.taps == (1, 2)
     plain = SpeculativeDecoder(model, tokenizer, None, runtime="native")
     spec = SpeculativeDecoder(model, tokenizer, drafter, k=3, runtime="native")
@@ -299,7 +300,7 @@ def test_distill_with_taps_writes_a_draft_that_reads_them_and_keeps_greedy_exact
     meta["taps"] = []
     (result.draft / "verispec_draft.json").write_text(json.dumps(meta))
     with pytest.raises(IncompatibleDraftError, match="taps"):
-        make_drafter(str(result.draft), model, tokenizer)
+        load_drafter(str(result.draft), model, tokenizer)
 
 
 # -- the law of sampled output with a feature draft ----------------------------------------------

@@ -181,13 +181,13 @@ def parse_sizes(text: str | None) -> tuple[int, ...]:
 
 def run_costs(args: argparse.Namespace) -> int:
     from verispec import loading
-    from verispec.decoder import make_drafter
     from verispec.drafters.base import follow_target
+    from verispec.drafters.load import load_drafter
     from verispec.policy import measure_costs
     from verispec.runtime import make_runner
 
     model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device)
-    drafter = make_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
+    drafter = load_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
                            runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
                            sampled_tree_width=args.sampled_tree_width)
     runner = make_runner(model, args.runtime, dtype=args.dtype, int8=args.int8)

@@ -20,13 +20,14 @@ from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench import llamacpp
 from verispec.bench.report import REFERENCE, summarise, write_outputs
-from verispec.decoder import SpeculativeDecoder, check_vocab, make_drafter, vocab_size
-from verispec.distill.feature import is_feature_draft
-from verispec.distill.model import is_distilled_draft, load_draft
+from verispec.decoder import SpeculativeDecoder
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.drafters.feature import FeatureDrafter
+from verispec.drafters.folder import is_feature_draft, load_draft
+from verispec.drafters.load import load_draft_model, load_drafter
 from verispec.params import SamplingParams
 from verispec.runtime import Runner, make_runner
+from verispec.vocab import vocab_size
 
 log = logging.getLogger("verispec")
 
@@ -41,17 +42,16 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         draft = loading.default_draft(config.target)
     if draft is not None and is_feature_draft(draft):
         # reads the target's features as it runs: no separate runner, no transformers peer
-        feature_drafter = make_drafter(draft, model, tokenizer, tree_width=config.tree_width,
+        feature_drafter = load_drafter(draft, model, tokenizer, tree_width=config.tree_width,
                                        sampled_tree_width=config.sampled_tree_width)
-    elif draft is not None and is_distilled_draft(draft):
-        # verispec drafts with the subset head it was trained with; transformers needs
-        # full-width logits, so its assistant is the same layers with the target's full head.
-        draft_model, head_token_ids = load_draft(draft, model, tokenizer)
-        assistant_model, _ = load_draft(draft, model, tokenizer, full_head=True)
     elif draft is not None:
-        draft_model, draft_tokenizer = loading.load(draft, dtype=config.dtype)
-        check_vocab(model, tokenizer, draft_model, draft_tokenizer)
-        assistant_model = draft_model
+        loaded = load_draft_model(draft, model, tokenizer, dtype=config.dtype)
+        draft_model, head_token_ids, assistant_model = (loaded.model, loaded.head_token_ids,
+                                                        loaded.model)
+        if head_token_ids is not None:
+            # verispec drafts with the subset head it was trained with; transformers needs
+            # full-width logits, so its assistant is the same layers with the target's full head.
+            assistant_model, _ = load_draft(draft, model, tokenizer, full_head=True)
     # verispec's methods share one runner per model (each run resets its cache); hf-* methods
     # run the transformers model as loaded.
     draft_runner = None

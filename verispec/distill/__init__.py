@@ -5,12 +5,13 @@
     # then: SpeculativeDecoder.from_pretrained(target=None, draft=result.draft)
 
 Modules: prompts (verispec's own prompt list, self-prompts), data (responses and the target's
-top-k log-probabilities, in shards), model (the draft, its folder, load_draft), train (KL
-training, checkpoints), pipeline (the whole run).
+top-k log-probabilities, in shards), model (the small LM draft), feature (the EAGLE-style
+feature draft), train (KL training, checkpoints), pipeline (the whole run). The folder a run
+writes is `verispec.drafters.folder`'s: inference reads it from there and never imports this
+package.
 """
 
 from verispec.distill.config import DistillConfig
-from verispec.distill.model import is_distilled_draft, load_draft
 from verispec.distill.pipeline import DistillResult, distill
 
-__all__ = ["DistillConfig", "DistillResult", "distill", "is_distilled_draft", "load_draft"]
+__all__ = ["DistillConfig", "DistillResult", "distill"]

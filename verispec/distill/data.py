@@ -32,8 +32,8 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from verispec.decoder import SpeculativeDecoder
-from verispec.runtime.native.runner import NativeRunner
 from verispec.params import SamplingParams
+from verispec.runtime.native.runner import NativeRunner
 from verispec.scheduler import Scheduler
 
 log = logging.getLogger("verispec.distill")

@@ -10,14 +10,12 @@ Training (here) fits the predicted features to the target's on the distillation 
 the target's next-token distribution (recomputed from its features, over the head's tokens) plus
 a smooth-L1 pull on the features themselves. `verispec.drafters.feature` runs the result.
 
-A folder holds draft.safetensors (fc, the layer's weights, `head_token_ids`), config.json (the
-target's config with one layer), verispec_draft.json (kind "feature", the target's signature),
-the target's tokenizer files and a README model card.
+Its folder (written with `verispec.drafters.folder.save_feature_draft`) is described in
+`verispec.drafters.folder`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -25,29 +23,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
-from transformers import LlamaConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from verispec.distill.data import Sequence
-from verispec.distill.model import (
-    FORMAT,
-    META_FILE,
-    WEIGHTS_FILE,
-    target_signature,
-    write_draft_folder,
-)
 from verispec.drafters.feature import tap_inputs
-from verispec.errors import IncompatibleDraftError
+from verispec.drafters.folder import taps_fit
 from verispec.runtime.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
 from verispec.theory import sampled_acceptance
 
 log = logging.getLogger("verispec.distill")
 
-KIND = "feature"
 FEATURE_UNROLL = 2  # drafting depths trained (depth d reads the head's own depth d-1 features)
 LAYER_KEYS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
@@ -128,12 +117,6 @@ class FeatureHead(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden)
             self.fc.weight[:, hidden:].normal_(0, 0.02 / math.sqrt(hidden))
-
-
-def taps_fit(taps: tuple[int, ...], num_layers: int) -> bool:
-    """Taps read inside the stack: after 1..num_layers-1 layers (after all of them is the
-    feature itself)."""
-    return all(0 < tap < num_layers for tap in taps)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -337,47 +320,3 @@ def train_feature_head(head: FeatureHead, frozen: FrozenHead, embed: torch.Tenso
                 handle.write(line + "\n")
             log.info("%s", line)
     return report or evaluate(head, frozen, heldout, embed)  # (a resumed, finished run)
-
-
-# -- folder -------------------------------------------------------------------------------------
-
-
-def save_feature_draft(head: FeatureHead, head_token_ids: torch.Tensor, folder: Path,
-                       target: PreTrainedModel, tokenizer, card: str) -> None:
-    """Write the folder (staged, then renamed over any previous one); bfloat16 weights."""
-    config = LlamaConfig.from_dict(target.config.to_dict())
-    config.num_hidden_layers = 1
-    weights = {name: value.detach().to(torch.bfloat16).contiguous()
-               for name, value in head.state_dict().items()}
-    write_draft_folder(folder, config, weights, head_token_ids,
-                       {"kind": KIND, "taps": list(head.taps)}, target, tokenizer, card)
-
-
-def is_feature_draft(folder) -> bool:
-    path = Path(folder) / META_FILE if isinstance(folder, str | os.PathLike) else None
-    return path is not None and path.is_file() and json.loads(path.read_text()).get(
-        "kind") == KIND
-
-
-def load_feature_weights(folder, target: PreTrainedModel, tokenizer=None
-                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor, tuple[int, ...]]:
-    """-> (the head's weights by name, head_token_ids [Vh], its taps); refuses another target's
-    draft."""
-    folder = Path(folder)
-    meta = json.loads((folder / META_FILE).read_text())
-    if meta.get("format") != FORMAT or meta.get("kind") != KIND:
-        raise IncompatibleDraftError(f"{folder} is not a verispec feature draft")
-    expected, actual = meta["target"], target_signature(target, tokenizer)
-    for key in ("vocab_size", "hidden_size", "tokenizer"):
-        if expected.get(key) and actual.get(key) and expected[key] != actual[key]:
-            raise IncompatibleDraftError(
-                f"{folder} was distilled for another target ({key} differs): use the target it "
-                f"was distilled from")
-    weights = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
-    head_token_ids = weights.pop("head_token_ids")
-    taps = tuple(int(t) for t in meta.get("taps", ()))
-    num_layers = target.config.num_hidden_layers
-    if not taps_fit(taps, num_layers) or ("fc_taps.weight" in weights) != bool(taps):
-        raise IncompatibleDraftError(f"{folder}: its taps {taps} do not fit its weights or the "
-                                     f"target's {num_layers} layers")
-    return weights, head_token_ids, taps

@@ -43,11 +43,10 @@ from verispec.distill.feature import (
     FeatureHead,
     FeatureTrainSettings,
     FrozenHead,
-    save_feature_draft,
     target_features,
     train_feature_head,
 )
-from verispec.distill.model import init_draft, save_draft
+from verispec.distill.model import init_draft
 from verispec.distill.prompts import (
     builtin_prompts,
     passage_requests,
@@ -62,6 +61,7 @@ from verispec.distill.train import (
     prepare,
     train,
 )
+from verispec.drafters.folder import save_draft, save_feature_draft
 from verispec.runtime.native.llama import NativeLlama
 
 log = logging.getLogger("verispec.distill")

@@ -1,0 +1,95 @@
+"""From what the user names as a draft to a drafter: the one place the decoder, the bench and
+the CLI turn a draft spec into a `Drafter`.
+
+A spec is None / "none" (plain decoding), "ngram", "default" (the draft shipped for the target
+with n-gram lookup, else lookup alone), "hybrid" / "hybrid:PATH" (lookup where the text repeats
+itself, the shipped draft or the one at PATH elsewhere), or the path of a draft: a folder that
+`verispec distill` wrote (`verispec.drafters.folder`), or any causal LM folder or .gguf that
+shares the target's tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from verispec import loading
+from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
+from verispec.drafters.base import Drafter
+from verispec.drafters.feature import FeatureDrafter
+from verispec.drafters.folder import (
+    is_distilled_draft,
+    is_feature_draft,
+    load_draft,
+    load_feature_weights,
+)
+from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+from verispec.errors import IncompatibleDraftError
+from verispec.runtime import make_runner
+from verispec.vocab import check_vocab, vocab_size
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModel:
+    """A draft that is a causal LM of its own (not a feature draft)."""
+
+    model: PreTrainedModel
+    # [Vh] long: the tokens its head covers, in order (a distilled draft); None: the full
+    # vocabulary, as the target's
+    head_token_ids: torch.Tensor | None = None
+
+
+def load_draft_model(draft: str | os.PathLike, target: PreTrainedModel, tokenizer,
+                     dtype: str = "auto", device: str = "cpu") -> DraftModel:
+    """A distilled small LM draft (rebuilt on the target's embedding) or any causal LM checked
+    against the target's vocabulary. Raises IncompatibleDraftError when it does not fit."""
+    if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
+        model, head_token_ids = load_draft(draft, target, tokenizer)
+        return DraftModel(model, head_token_ids)
+    model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device)
+    check_vocab(target, tokenizer, model, draft_tokenizer)
+    return DraftModel(model)
+
+
+def load_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
+                 device: str = "cpu", runtime: str = "auto", int8: bool = False,
+                 target_spec=None, tree_width: int = DEFAULT_TREE_WIDTH,
+                 sampled_tree_width: int = 1) -> Drafter | None:
+    """The drafter that `draft` names (see the module docstring); "default" and "hybrid" look
+    up the draft shipped for `target_spec` (the target as given to `loading.load`). A draft
+    model runs on the same runtime, dtype and quantization as the target. tree_width: how wide
+    the token trees a feature draft proposes for greedy rows are, sampled_tree_width for
+    sampled rows (1: chains)."""
+    check_tree_width(tree_width)
+    check_tree_width(sampled_tree_width)
+    if draft is None or draft == "none":
+        return None
+    if draft == "default":  # the shipped draft with lookup where the text repeats, else lookup
+        shipped = loading.default_draft(target_spec)
+        # (the shipped draft reads the target's features, which transformers' runtime lacks)
+        draft = "ngram" if shipped is None or runtime == "hf" else f"hybrid:{shipped}"
+    if draft == "ngram":
+        return NgramDrafter()
+    if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):
+        model_draft = draft.partition(":")[2] or loading.default_draft(target_spec)
+        if model_draft is None:
+            raise IncompatibleDraftError("no draft is shipped for this target: use "
+                                         "hybrid:PATH with a draft model folder")
+        drafter = load_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8,
+                               tree_width=tree_width, sampled_tree_width=sampled_tree_width)
+        if not isinstance(drafter, ModelDrafter | FeatureDrafter):
+            raise IncompatibleDraftError(f"hybrid lookup pairs n-grams with a draft model; "
+                                         f"{model_draft} is a {drafter.name} draft")
+        return HybridDrafter(drafter)
+    if is_feature_draft(draft):  # reads the target's features: built when it meets the runner
+        weights, head_token_ids, taps = load_feature_weights(draft, target, tokenizer)
+        return FeatureDrafter(weights, head_token_ids, target, vocab_size(target), taps,
+                              tree_width, sampled_tree_width)
+    loaded = load_draft_model(draft, target, tokenizer, dtype=dtype, device=device)
+    runner = make_runner(loaded.model, runtime, dtype=dtype, int8=int8)
+    return ModelDrafter(runner, vocab_size(target), head_token_ids=loaded.head_token_ids)
