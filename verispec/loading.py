@@ -160,7 +160,8 @@ def _save_dequantised(model: PreTrainedModel, folder: Path) -> None:
                                  metadata={"format": "pt"})
 
 
-SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+# Draft weights shipped inside the package (data, not code: `verispec.drafters` is the code).
+SHIPPED_DRAFTS = Path(__file__).parent / "weights"
 EMBEDDED_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-instruct"  # distilled by `verispec distill`
 
 
