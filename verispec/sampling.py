@@ -220,7 +220,7 @@ def invariant_draw(probs: torch.Tensor, seed: int | Sequence[int] | torch.Tensor
     host sync they make anyway."""
     exponentials = _position_exponentials(seed, positions, probs.shape[-1], probs.device)
     # argmax(log p + G) = argmax(p / E), G = -log E: one log over V instead of three.
-    tokens = probs.double().div_(exponentials).max(dim=-1).indices  # [...]
+    tokens = (probs.double() / exponentials).max(dim=-1).indices  # [...]
     ok = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) > 0
     return tokens, ok
 
@@ -240,3 +240,13 @@ def invariant_sample(probs: torch.Tensor, seed: int | Sequence[int] | torch.Tens
         raise ValueError("invariant_sample() needs every row to have positive mass; got a row "
                          "of zeros or NaN")
     return tokens
+
+
+def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+         position: int) -> torch.Tensor:
+    """A drafter's draw of the token at absolute `position`: probs [1, V] (warped) -> [1].
+    Under verify="invariant" with the request's position-keyed noise, so the draft agrees with
+    the target's own draw as often as the coupling allows; otherwise from the row's generator."""
+    if params.verify == "invariant" and params.seed is not None:
+        return invariant_sample(probs, params.seed, [position])
+    return sample(probs, generator)
