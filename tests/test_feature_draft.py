@@ -241,8 +241,8 @@ def test_a_head_with_taps_drafts_what_training_computes():
                for name, drafter in drafters.items()}
     # Training's view of the same positions: f_s, x_{s+1} and the taps at s = 0..L-2.
     length = history.numel() - 1
-    features = runner.cache.features[:length].unsqueeze(0)
-    taps = runner.cache.taps[:length].unsqueeze(0)  # [1, L-1, 2, H]
+    features = runner.features(0, length).unsqueeze(0)
+    taps = runner.tapped_states(0, length).unsqueeze(0)  # [1, L-1, 2, H]
     embeddings = model.get_input_embeddings().weight.detach()[history[1:]].unsqueeze(0)
     with torch.no_grad():
         predicted = head(features, embeddings, taps)[0, -1]
@@ -260,12 +260,12 @@ def test_feature_taps_are_checked():
     with pytest.raises(ValueError, match="feature_taps"):
         DistillConfig(out=Path("x"), kind="feature", feature_taps=(0,))
     runner = NativeRunner(NativeLlama.from_hf(model, torch.float32))
-    runner.model.taps = (2,)
+    runner.keep_taps((2,))
     with pytest.raises(IncompatibleDraftError, match="another feature draft"):
         FeatureDrafter({}, torch.arange(VOCAB), model, VOCAB, taps=(1,)).follow(runner)
     untapped = feature_drafter(model, VOCAB)
     untapped.follow(runner)  # a head without taps reads none: no conflict
-    assert runner.model.taps == (2,)
+    assert runner.tap_layers == (2,)
 
 
 def test_distill_with_taps_writes_a_draft_that_reads_them_and_keeps_greedy_exact(

@@ -113,8 +113,7 @@ def test_fused_taps_match_the_torch_path_and_change_no_logit(kernels, monkeypatc
                                                                            cache)])
     taps = {}
     for name, native in (("fused", fused), ("torch", torch_path)):
-        native.taps = (1,)
-        cache = native.new_cache()
+        cache = native.new_cache(tap_layers=(1,))
         logits = native.forward(IDS[:80], 0, 1, cache)
         logits = torch.cat([logits, native.forward(IDS[80:], 80, 4, cache)])
         taps[name] = cache.taps[:90, 0].float()  # [90, H]

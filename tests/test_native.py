@@ -205,19 +205,19 @@ def test_speculative_greedy_equals_plain_greedy_with_long_prompts_in_bf16(tokeni
 
 def test_taps_keep_the_hidden_states_inside_the_stack_and_change_no_logit():
     """A feature draft with taps reads the hidden state after some of the target's layers
-    (NativeLlama.taps): kept per position in the cache, equal to transformers' hidden states,
-    and the logits are the same bits with or without them."""
+    (NativeRunner.keep_taps): kept per position, equal to transformers' hidden states, and the
+    logits are the same bits with or without them."""
     model = tiny_llama(64, seed=1, layers=3, dtype=torch.float32)
     with torch.no_grad():
         hidden = model(IDS.unsqueeze(0), output_hidden_states=True).hidden_states
     native = NativeLlama.from_hf(model, torch.float32)
     logits = {}
     for taps in ((), (2, 1)):
-        native.taps = taps
         runner = NativeRunner(native)
+        runner.keep_taps(taps)
         logits[taps] = torch.cat([runner.logits(IDS[:70], 1), runner.logits(IDS, 10)])
     assert torch.equal(logits[()], logits[(2, 1)])
     tapped = runner
-    taps = tapped.cache.taps[: IDS.numel()]  # [T, 2, H]
+    taps = tapped.tapped_states(0, IDS.numel())  # [T, 2, H]
     torch.testing.assert_close(taps[:, 0], hidden[2][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(taps[:, 1], hidden[1][0], rtol=1e-4, atol=1e-4)

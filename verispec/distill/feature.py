@@ -136,24 +136,20 @@ def target_features(native: NativeLlama, sequences: list[Sequence], max_length: 
     the data shards stored (written by the same runtime), else from a pass of `native`, the
     runtime the drafter will read them from; and its hidden states after `taps` layers (a pass
     of `native`: the shards do not store them)."""
-    examples, kept = [], native.taps
-    native.taps = tuple(taps)
-    try:
-        for seq in tqdm(sequences, desc="target features", unit="seq", mininterval=5):
-            ids = seq.ids[:max_length]
-            if ids.numel() < 3:
-                continue
-            tapped = None
-            if seq.features is not None and seq.features.dtype == native.dtype and not taps:
-                features = seq.features[: ids.numel()]
-            else:
-                cache = native.new_cache()
-                native.forward(ids, 0, 1, cache)
-                features = cache.features[: ids.numel()].clone()
-                tapped = cache.taps[: ids.numel()].clone() if taps else None
-            examples.append(FeatureExample(ids, seq.start, features, tapped))
-    finally:
-        native.taps = kept
+    examples = []
+    for seq in tqdm(sequences, desc="target features", unit="seq", mininterval=5):
+        ids = seq.ids[:max_length]
+        if ids.numel() < 3:
+            continue
+        tapped = None
+        if seq.features is not None and seq.features.dtype == native.dtype and not taps:
+            features = seq.features[: ids.numel()]
+        else:
+            cache = native.new_cache(tuple(taps))
+            native.forward(ids, 0, 1, cache)
+            features = cache.features[: ids.numel()].clone()
+            tapped = cache.taps[: ids.numel()].clone() if taps else None
+        examples.append(FeatureExample(ids, seq.start, features, tapped))
     return examples
 
 

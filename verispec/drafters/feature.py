@@ -1,7 +1,7 @@
 """A drafter that reads the target's features: an EAGLE-style head (`verispec.distill.feature`)
 run on the native runtime.
 
-The target's native runner keeps every position's last hidden state (`cache.features`). After a
+The target's native runner keeps every position's last hidden state (`runner.features`). After a
 round, the history's last token x_{L-1} was just drawn from the target at position L-2, whose
 feature f_{L-2} is known: the draft reads (f_s, x_{s+1}) for every position s it has not read
 yet, up to L-2, then drafts x_L, x_{L+1}, ... feeding its own predicted features back in. Its
@@ -9,7 +9,7 @@ KV cache is indexed by position like the target's: positions past the last real 
 written over in the next round. The first round (no target features yet) drafts nothing.
 
 A head with taps also reads the target's hidden states after some of its layers at the real
-positions (it asks the target's runtime to keep them: `NativeLlama.taps`); drafted positions
+positions (it asks the target's runner to keep them: `NativeRunner.keep_taps`); drafted positions
 have none, as in training.
 """
 
@@ -26,7 +26,8 @@ from verispec.drafters.model import fit_vocab
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
 from verispec.policy import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
-from verispec.runtime import common_prefix
+from verispec.runtime import Runner, common_prefix
+from verispec.runtime.native import NativeRunner
 from verispec.runtime.native.llama import (
     LayerWeights,
     Linear,
@@ -49,7 +50,7 @@ class FeatureDrafter:
                  tree_width: int = DEFAULT_TREE_WIDTH, sampled_tree_width: int = 1) -> None:
         self.weights, self.head_token_ids = weights, head_token_ids.long()
         self.target_model, self.vocab_size, self.taps = target, vocab_size, tuple(taps)
-        self.runner = None  # the target's NativeRunner for this sequence
+        self.runner: NativeRunner | None = None  # the target's runner for this sequence
         self.model: _FeatureModel | None = None  # built on the first follow(), shared by forks
         self.cache = None
         self.fed = torch.empty(0, dtype=torch.long)  # history whose real pairs are in the cache
@@ -59,24 +60,22 @@ class FeatureDrafter:
         self.tree_width = check_tree_width(tree_width)
         self.sampled_tree_width = check_tree_width(sampled_tree_width)
 
-    def follow(self, runner) -> None:
-        from verispec.runtime.native.runner import NativeRunner
-
+    def follow(self, runner: Runner) -> None:
+        """Read `runner`'s features from now on, asking it to keep this head's taps (a runner
+        that keeps none forgets its sequence then; see NativeRunner.keep_taps)."""
         if not isinstance(runner, NativeRunner):
             raise IncompatibleDraftError("a feature draft reads the target's hidden states, which "
                                          "only the native runtime keeps: use --runtime native "
                                          "(or auto) with a Llama-family target")
-        kept = runner.model.taps
-        if self.taps and kept and kept != self.taps:
-            raise IncompatibleDraftError(f"the target already keeps the hidden states after "
-                                         f"layers {kept} for another feature draft; this one "
-                                         f"reads {self.taps}")
+        try:
+            runner.keep_taps(self.taps)
+        except ValueError as err:
+            raise IncompatibleDraftError(f"the target's runner keeps the hidden states after "
+                                         f"layers {runner.tap_layers} for another feature draft; "
+                                         f"this one reads {self.taps}") from err
         if self.model is None:
             self.model = _FeatureModel(self.weights, self.head_token_ids, self.target_model,
                                        runner.model)
-        if self.taps and kept != self.taps:  # the positions cached so far were not tapped
-            runner.model.taps = self.taps
-            runner.reset()
         self.runner = runner
         self.cache = self.model.native.new_cache()
         self.reset()
@@ -142,11 +141,11 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
     passes, taps = [], []
     for i in rows:
         history, first = histories[i], firsts[i]
-        target_cache = drafters[i].runner.cache
-        features = target_cache.features[first:history.numel() - 1]  # [T, H]
+        target = drafters[i].runner
+        features = target.features(first, history.numel() - 1)  # [T, H]
         passes.append((drafters[i].cache, features, history[first + 1:], first))
         if model.fc_taps is not None:
-            taps.append(target_cache.taps[first:history.numel() - 1])  # [T, n, H]
+            taps.append(target.tapped_states(first, history.numel() - 1))  # [T, n, H]
         drafters[i].fed = history
     logits = model.step_rows(passes, torch.cat(taps) if taps else None)  # per row [1, Vh]
     # 2. Rows whose drafter has a tree width for them grow trees; the others draft chains.

@@ -2,9 +2,9 @@
 // (Sapphire Rapids and later) or, without AMX, with AVX512-BF16 (AMD Zen 4 and later, Cooper
 // Lake): the same packed weights, products on AMX tiles or with VDPBF16PS.
 //
-// Why: on a 2-core CPU a SmolLM2-135M decode step in eager PyTorch spent ~15 ms in per-op
-// overhead (~20 small ops a layer) and called oneDNN 121 times at ~50 us of fixed cost each
-// (33.5 ms a step); here a whole pass is one call (12.4 ms a step, 11.7 ms the bandwidth bound).
+// Why: for a small model on a few cores, an eager PyTorch decode step is mostly per-op overhead
+// (~20 small ops a layer, each oneDNN call with a fixed cost); here a whole pass is one call,
+// and a step runs close to the bound of reading the weights once.
 //
 // Batch invariance by construction: every output element is computed by one thread in an order
 // that depends only on its own inputs, never on how many positions or rows the pass holds.
@@ -18,7 +18,7 @@
 // So a position's logits are the same bits in a pass of 1, K+1 or many positions and rows
 // (tests/test_kernels.py checks it), and speculative greedy equals plain greedy. Prompt passes
 // (more than `short_pass` positions) attend with torch's fused causal kernel, whose rounding
-// depends on their length; they run in passes of their own (verispec.native.runner).
+// depends on their length; they run in passes of their own (runtime/native/runner.py).
 //
 // Rounding mirrors transformers' bfloat16 modules: every op's output is rounded to bfloat16,
 // accumulations run in fp32.
@@ -45,7 +45,84 @@ namespace {
 
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
-  float eps;
+  float eps;  // the RMS norms'
+};
+
+// One linear layer as the kernels hold it, packed once at load (`pack`).
+struct PackedLinear {
+  torch::Tensor tiles;   // [ceil(N/32), K/2, 32, 2] bfloat16 or int8
+  torch::Tensor scales;  // [N] fp32 for int8 tiles, else empty
+  torch::Tensor bias;    // [N] fp32, or empty
+  int64_t out_features;  // N
+
+  PackedLinear(torch::Tensor tiles_, torch::Tensor scales_, torch::Tensor bias_, int64_t n)
+      : tiles(std::move(tiles_)), scales(std::move(scales_)), bias(std::move(bias_)),
+        out_features(n) {
+    TORCH_CHECK(tiles.dim() == 4 && tiles.is_contiguous(), "tiles: pack(weight)'s layout");
+    TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == n &&
+                                      bias.is_contiguous()), "bias: [out_features] fp32");
+    weight();  // checks the dtype and the scales
+  }
+  int64_t in_features() const { return tiles.size(1) * 2; }
+  Weight weight() const { return weight_of(tiles, bias, scales, out_features); }
+};
+
+// One decoder layer's weights (runtime.native.llama.LayerWeights, packed).
+struct LayerWeights {
+  torch::Tensor attn_norm, mlp_norm;  // [H] bfloat16
+  PackedLinear qkv;                   // H -> (heads + 2 kv_heads) d
+  PackedLinear out;                   // heads d -> H
+  PackedLinear gate_up;               // H -> 2 I
+  PackedLinear down;                  // I -> H
+};
+
+// What a model's forward needs besides the rows of a pass, built once at load and checked
+// against each other then (a wrong layout fails here, not as garbage in the middle of a pass).
+struct Decoder {
+  Shape shape;
+  std::vector<LayerWeights> layers;
+  torch::Tensor cos, sin;  // [max_positions, d] bfloat16 rotary tables
+  int64_t short_pass;      // passes up to this many positions per row attend batch-invariantly
+
+  Decoder(Shape shape_, std::vector<LayerWeights> layers_, torch::Tensor cos_,
+          torch::Tensor sin_, int64_t short_pass_)
+      : shape(shape_), layers(std::move(layers_)), cos(std::move(cos_)), sin(std::move(sin_)),
+        short_pass(short_pass_) {
+    const int64_t h = shape.hidden, d = shape.head_dim, inter = shape.intermediate;
+    TORCH_CHECK(d <= MAX_HEAD_DIM && d % 2 == 0, "head_dim must be even and at most ",
+                MAX_HEAD_DIM);
+    TORCH_CHECK(shape.heads % shape.kv_heads == 0, "heads must be a multiple of kv_heads");
+    TORCH_CHECK(short_pass >= 1, "short_pass must be at least 1");
+    for (const torch::Tensor* table : {&cos, &sin})
+      TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->is_contiguous() &&
+                  table->dim() == 2 && table->size(1) == d, "rotary tables: [positions, d]");
+    const auto check = [](const PackedLinear& linear, int64_t n, int64_t k, const char* name) {
+      TORCH_CHECK(linear.out_features == n && linear.in_features() == k, name, ": ",
+                  linear.in_features(), " -> ", linear.out_features, ", the shape says ", k,
+                  " -> ", n);
+    };
+    for (const LayerWeights& layer : layers) {
+      for (const torch::Tensor* norm : {&layer.attn_norm, &layer.mlp_norm})
+        TORCH_CHECK(norm->scalar_type() == at::kBFloat16 && norm->is_contiguous() &&
+                    norm->numel() == h, "norm weights: [hidden] bfloat16");
+      check(layer.qkv, (shape.heads + 2 * shape.kv_heads) * d, h, "qkv");
+      check(layer.out, h, shape.heads * d, "out");
+      check(layer.gate_up, 2 * inter, h, "gate_up");
+      check(layer.down, h, inter, "down");
+    }
+  }
+};
+
+// The rows of one pass: row r's new positions starts[r]..starts[r]+lengths[r]-1 into its cache
+// keys[r], values[r] [layers, kv_heads, capacity, d]. Token trees (tree_bases empty: none):
+// row r with tree_bases[r] >= 0 holds a tree from that slot on, and new slot i (over the whole
+// pass) attends over slots 0..base-1 and then path_slots[path_offsets[i]..path_offsets[i+1]-1]
+// (its ancestors and itself), at position base - 1 + its depth; an empty path is an ordinary
+// slot.
+struct PassRows {
+  std::vector<torch::Tensor> keys, values;
+  std::vector<int64_t> starts, lengths;
+  std::vector<int64_t> tree_bases, path_slots, path_offsets;
 };
 
 struct QueryGroup {  // queries first..last-1 (t * group + head in group) of one row's KV head
@@ -54,8 +131,7 @@ struct QueryGroup {  // queries first..last-1 (t * group + head in group) of one
 
 // body(task, scratch) for every task in [0, n). balance: the threads take the next task as they
 // finish one, for a batch, whose rows attend over caches of different lengths (a static split
-// left one thread with the long rows while the other waited: a pass of rows of 1300, 1300, 100
-// and 100 tokens took 25% longer than one of four rows of 700). Otherwise (one sequence) each
+// can leave one thread all the long rows while the others wait). Otherwise (one sequence) each
 // thread takes a contiguous share, so the query heads of one KV head share a core and read its
 // keys once. Which thread runs a task does not change its result.
 template <typename Scratch, typename Body>
@@ -85,7 +161,7 @@ struct Row {
   bf16* keys;    // this row's cache [layers, kv_heads, capacity, d]
   bf16* values;
   int64_t capacity, start, length, offset;  // new slots start..start+length-1 at x[offset..]
-  int64_t tree_base;  // -1, or the first slot of a token tree (verispec.native.llama.TreeLinks)
+  int64_t tree_base;  // -1, or the first slot of a token tree (llama.py: TreeLinks)
 };
 
 // A tree node's keys (or values) of one KV head, laid out as the chain to it holds them: rows
@@ -126,35 +202,29 @@ void attend_prompt(const Row& row, size_t layer, const Shape& shape, const bf16*
   into.copy_(out);
 }
 
-// The decoder layers over every row's new positions; x [N, H] is updated in place, and each
-// row's keys and values at its new positions are written into its cache.
-void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
-                    const torch::Tensor& cos, const torch::Tensor& sin,
-                    const std::vector<torch::Tensor>& keys,
-                    const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
-                    const std::vector<int64_t>& lengths, std::vector<int64_t> sizes, double eps,
-                    int64_t short_pass, torch::Tensor taps,
-                    const std::vector<int64_t>& tap_layers,
-                    const std::vector<int64_t>& tree_bases,
-                    const std::vector<int64_t>& path_slots,
-                    const std::vector<int64_t>& path_offsets) {
-  const Shape shape{sizes.at(0), sizes.at(1), sizes.at(2), sizes.at(3), sizes.at(4), float(eps)};
+// The decoder layers over every row's new positions; x [N, H] is updated in place, each row's
+// keys and values at its new positions are written into its cache, and taps
+// [N, len(tap_layers), H] gets the hidden state after the first tap_layers[j] layers.
+void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRows& pass,
+                    torch::Tensor taps, const std::vector<int64_t>& tap_layers) {
+  const Shape& shape = decoder.shape;
+  const int64_t short_pass = decoder.short_pass;
+  const std::vector<torch::Tensor>&keys = pass.keys, &values = pass.values;
+  const std::vector<int64_t>&starts = pass.starts, &lengths = pass.lengths;
+  const std::vector<int64_t>&tree_bases = pass.tree_bases, &path_slots = pass.path_slots,
+                            &path_offsets = pass.path_offsets;
   const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim;
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
   const int64_t qkv_width = q_width + 2 * kv_width;
-  TORCH_CHECK(d <= MAX_HEAD_DIM && d % 2 == 0, "head_dim must be even and at most ",
-              MAX_HEAD_DIM);
-  TORCH_CHECK(layers.size() % 11 == 0, "11 tensors a layer");
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == h);
-  // taps [N, len(tap_layers), H]: the hidden state after the first tap_layers[j] layers.
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == h,
+              "x: [N, hidden] bfloat16");
+  TORCH_CHECK(keys.size() == starts.size() && values.size() == starts.size() &&
+              lengths.size() == starts.size(), "one cache, start and length a row");
   const int64_t num_taps = int64_t(tap_layers.size());
   TORCH_CHECK(num_taps == 0 || (taps.is_contiguous() && taps.scalar_type() == at::kBFloat16 &&
                                 taps.size(0) == x.size(0) && taps.size(1) == num_taps &&
                                 taps.size(2) == h), "taps must be [N, len(tap_layers), H]");
 
-  // Token trees (any rows with tree_bases[r] >= 0): new slot i attends over slots
-  // 0..base-1 and then path_slots[path_offsets[i]..path_offsets[i+1]-1] (its ancestors and
-  // itself), at position base - 1 + its depth; an empty path is an ordinary slot.
   const bool trees = !tree_bases.empty();
   TORCH_CHECK(!trees || (tree_bases.size() == starts.size() &&
                          int64_t(path_offsets.size()) == n + 1), "tree arguments' sizes");
@@ -165,7 +235,11 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   std::vector<int64_t> positions;  // [N]: each new slot's position in its sequence
   int64_t offset = 0;
   for (size_t r = 0; r < starts.size(); r++) {
-    TORCH_CHECK(keys[r].is_contiguous() && values[r].is_contiguous());
+    TORCH_CHECK(keys[r].is_contiguous() && values[r].is_contiguous() &&
+                keys[r].scalar_type() == at::kBFloat16 && values[r].sizes() == keys[r].sizes() &&
+                keys[r].dim() == 4 && keys[r].size(0) == int64_t(decoder.layers.size()) &&
+                keys[r].size(1) == shape.kv_heads && keys[r].size(3) == d,
+                "caches: [layers, kv_heads, capacity, d] bfloat16");
     const int64_t base = trees ? tree_bases[r] : -1;
     rows.push_back({reinterpret_cast<bf16*>(keys[r].data_ptr()),
                     reinterpret_cast<bf16*>(values[r].data_ptr()), keys[r].size(2), starts[r],
@@ -197,8 +271,8 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
   bf16* attended = reinterpret_cast<bf16*>(attended_t.data_ptr());
   bf16* gate_up = reinterpret_cast<bf16*>(gate_up_t.data_ptr());
   bf16* act = reinterpret_cast<bf16*>(act_t.data_ptr());
-  const bf16* cos_table = reinterpret_cast<const bf16*>(cos.data_ptr());
-  const bf16* sin_table = reinterpret_cast<const bf16*>(sin.data_ptr());
+  const bf16* cos_table = reinterpret_cast<const bf16*>(decoder.cos.data_ptr());
+  const bf16* sin_table = reinterpret_cast<const bf16*>(decoder.sin.data_ptr());
   const float scale = 1.0f / std::sqrt(float(d));
   // The same queries by KV head, in groups of up to 16 (member = t * group + head in group).
   const int64_t group = shape.heads / shape.kv_heads;
@@ -224,16 +298,13 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
     std::stable_sort(groups.begin(), groups.end(),
                      [&](const QueryGroup& a, const QueryGroup& b) { return cost(a) > cost(b); });
 
-  for (size_t layer = 0; layer * 11 < layers.size(); layer++) {
-    // attn_norm, mlp_norm, qkv bias (fp32, or empty), then packed weights and their scales
-    // (empty for bfloat16) for qkv, out, gate_up, down
-    const torch::Tensor* w = &layers[layer * 11];
-    const bf16* attn_norm = reinterpret_cast<const bf16*>(w[0].data_ptr());
-    const bf16* mlp_norm = reinterpret_cast<const bf16*>(w[1].data_ptr());
-    const torch::Tensor none;
+  for (size_t layer = 0; layer < decoder.layers.size(); layer++) {
+    const LayerWeights& w = decoder.layers[layer];
+    const bf16* attn_norm = reinterpret_cast<const bf16*>(w.attn_norm.data_ptr());
+    const bf16* mlp_norm = reinterpret_cast<const bf16*>(w.mlp_norm.data_ptr());
     // 1. Norm, fused q/k/v, rotary on q and k.
     rms_norm(hidden, n, h, attn_norm, shape.eps, normed);
-    linear_into(normed, n, weight_of(w[3], w[2], w[4], qkv_width), qkv, nullptr);
+    linear_into(normed, n, w.qkv.weight(), qkv, nullptr);
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; i++)
         rotate(qkv + i * qkv_width, shape.heads + shape.kv_heads, d,
@@ -297,17 +368,16 @@ void forward_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
     for (const Row& row : rows)
       if (row.length > short_pass) attend_prompt(row, layer, shape, qkv, qkv_width, attended);
     // 4. Output projection onto the residual stream.
-    linear_into(attended, n, weight_of(w[5], none, w[6], h), hidden, hidden);
+    linear_into(attended, n, w.out.weight(), hidden, hidden);
     // 5. SwiGLU MLP onto the residual stream.
     rms_norm(hidden, n, h, mlp_norm, shape.eps, normed);
-    linear_into(normed, n, weight_of(w[7], none, w[8], 2 * shape.intermediate), gate_up,
-                nullptr);
+    linear_into(normed, n, w.gate_up.weight(), gate_up, nullptr);
     const int64_t inter = shape.intermediate;
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; i++)
         swiglu(gate_up + i * 2 * inter, inter, act + i * inter);
     });
-    linear_into(act, n, weight_of(w[9], none, w[10], h), hidden, hidden);
+    linear_into(act, n, w.down.weight(), hidden, hidden);
     // 6. Keep the hidden state where a tap asks for it.
     for (int64_t j = 0; j < num_taps; j++) {
       if (tap_layers[j] != int64_t(layer) + 1) continue;
@@ -399,6 +469,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable", &enable);
   m.def("pack", &pack);
   m.def("linear", &linear);
-  m.def("forward_layers", &forward_layers);
+  // The typed arguments of forward_layers, made by keyword from Python
+  // (runtime.native.llama.NativeLlama._fused_weights / _fused_layers).
+  py::class_<Shape>(m, "Shape")
+      .def(py::init([](int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t intermediate, double eps) {
+             return Shape{hidden, heads, kv_heads, head_dim, intermediate, float(eps)};
+           }),
+           py::kw_only(), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"))
+      .def_readonly("hidden", &Shape::hidden)
+      .def_readonly("heads", &Shape::heads)
+      .def_readonly("kv_heads", &Shape::kv_heads)
+      .def_readonly("head_dim", &Shape::head_dim)
+      .def_readonly("intermediate", &Shape::intermediate)
+      .def_readonly("eps", &Shape::eps);
+  py::class_<PackedLinear>(m, "PackedLinear")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>(), py::kw_only(),
+           py::arg("tiles"), py::arg("scales"), py::arg("bias"), py::arg("out_features"))
+      .def_readonly("out_features", &PackedLinear::out_features);
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init<torch::Tensor, torch::Tensor, PackedLinear, PackedLinear, PackedLinear,
+                    PackedLinear>(),
+           py::kw_only(), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("qkv"),
+           py::arg("out"), py::arg("gate_up"), py::arg("down"));
+  py::class_<Decoder>(m, "Decoder")
+      .def(py::init<Shape, std::vector<LayerWeights>, torch::Tensor, torch::Tensor, int64_t>(),
+           py::kw_only(), py::arg("shape"), py::arg("layers"), py::arg("cos"), py::arg("sin"),
+           py::arg("short_pass"))
+      .def_property_readonly("num_layers",
+                             [](const Decoder& decoder) { return decoder.layers.size(); });
+  py::class_<PassRows>(m, "PassRows")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<int64_t>>(),
+           py::kw_only(), py::arg("keys"), py::arg("values"), py::arg("starts"),
+           py::arg("lengths"), py::arg("tree_bases"), py::arg("path_slots"),
+           py::arg("path_offsets"));
+  m.def("forward_layers", &forward_layers, py::arg("x"), py::arg("decoder"), py::arg("rows"),
+        py::arg("taps"), py::arg("tap_layers"));
   m.def("attend", &attend);
 }

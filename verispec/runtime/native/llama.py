@@ -83,12 +83,12 @@ class LlamaShape:
 class Linear:
     """y = x W^T + b, in one of these forms, each giving output rows that are bitwise
     independent of how many rows the call holds:
-    - on a CPU with AMX (bfloat16 activations): verispec's own kernel (kernels.cpp), weights
-      packed once into AMX tile order, bfloat16 or int8 (`int8=True`: one fp32 scale per output
-      channel, widened to bfloat16 tile by tile); a SmolLM2 step's GEMMs took 13.6 ms in
-      bfloat16, flat from 1 to 16 rows, against 18 ms for oneDNN;
-    - bfloat16 on other CPUs: prepacked once into oneDNN's blocked layout (18 ms instead of
-      26 ms, flat from 1 to 9 rows);
+    - on a CPU with AVX512-BF16 (bfloat16 activations): verispec's own kernel (kernels.cpp,
+      on AMX tiles where the CPU has them), weights packed once into tile order, bfloat16 or
+      int8 (`int8=True`: one fp32 scale per output channel, widened to bfloat16 tile by tile),
+      as fast for 16 rows as for one;
+    - bfloat16 on other CPUs: prepacked once into oneDNN's blocked layout (faster than
+      F.linear re-packing the weights every call, and nearly flat in the row count);
     - int8 on other CPUs: torch's weight-only int8 kernel, which goes row by row (pays for
       1-row steps, loses for wide verification passes);
     - anything else: F.linear.
@@ -188,41 +188,50 @@ class LayerWeights:
     down: Linear  # I -> H
 
 
+def check_taps(taps: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Tap layers name hidden states inside the stack: distinct layer counts in
+    [1, num_layers - 1] (after all num_layers layers is the feature every cache keeps)."""
+    taps = tuple(taps)
+    if any(not isinstance(tap, int) or not 0 < tap < num_layers for tap in taps) \
+            or len(set(taps)) < len(taps):
+        raise ValueError(f"taps must be distinct layer counts inside the target's "
+                         f"{num_layers} layers (1..{num_layers - 1}), got {taps}")
+    return taps
+
+
 class KVCache:
-    """One sequence's keys and values, [layers, nkv, capacity, d] each, grown by doubling.
+    """One sequence's keys and values, [layers, nkv, capacity, d] each, grown by doubling, and
+    at every position the last hidden state (`features`) and, for each of `tap_layers`, the
+    hidden state after that many layers (`taps`).
 
     Which positions are valid is the caller's business: rolling back is passing a smaller
     `start` next time, and the stale positions are written over."""
 
-    def __init__(self, shape: LlamaShape, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: LlamaShape, dtype: torch.dtype, device: torch.device,
+                 tap_layers: tuple[int, ...] = ()) -> None:
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.tap_layers = check_taps(tap_layers, shape.num_layers)
         self.keys = self.values = None
         self.features = None  # [capacity, H]: each position's last hidden state, before the norm
-        self.taps = None  # [capacity, n, H]: hidden states inside the stack (NativeLlama.taps)
+        self.taps = None  # [capacity, n, H]: the hidden states after tap_layers, when any
 
-    def reserve(self, length: int, num_taps: int = 0) -> None:
-        """Room for `length` positions and the padding short passes attend over (and for
-        num_taps tapped hidden states a position)."""
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions and the padding short passes attend over."""
         if length > self.shape.max_positions:
             raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
                              f"{self.shape.max_positions}")
         length = padded_keys(length, self.shape.max_positions)
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if length <= capacity:
-            self._reserve_taps(num_taps)
             return
         capacity = min(self.shape.max_positions, max(length, 2 * capacity, 256))
         size = (self.shape.num_layers, self.shape.num_kv_heads, capacity, self.shape.head_dim)
-        keys = torch.zeros(size, dtype=self.dtype, device=self.device)
-        values = torch.zeros(size, dtype=self.dtype, device=self.device)
-        features = torch.zeros(capacity, self.shape.hidden_size, dtype=self.dtype,
-                               device=self.device)
-        if self.keys is not None:
-            old = self.keys.shape[2]
-            keys[:, :, :old], values[:, :, :old] = self.keys, self.values
-            features[:old] = self.features
-        self.keys, self.values, self.features = keys, values, features
-        self._reserve_taps(num_taps)
+        self.keys = self._grown(self.keys, size)
+        self.values = self._grown(self.values, size)
+        self.features = self._grown(self.features, (capacity, self.shape.hidden_size))
+        if self.tap_layers:
+            self.taps = self._grown(self.taps, (capacity, len(self.tap_layers),
+                                                self.shape.hidden_size))
 
     def move(self, sources: list[int], to: int) -> None:
         """Copy the positions at slots `sources` (increasing, each >= its target) to slots
@@ -236,16 +245,13 @@ class KVCache:
         if self.taps is not None:
             self.taps[span] = self.taps[at]
 
-    def _reserve_taps(self, num_taps: int) -> None:
-        capacity = self.keys.shape[2]
-        if num_taps == 0 or (self.taps is not None and self.taps.shape[:2] == (capacity,
-                                                                               num_taps)):
-            return
-        taps = torch.zeros(capacity, num_taps, self.shape.hidden_size, dtype=self.dtype,
-                           device=self.device)
-        if self.taps is not None and self.taps.shape[1] == num_taps:
-            taps[: self.taps.shape[0]] = self.taps
-        self.taps = taps
+    def _grown(self, old: torch.Tensor | None, size: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed buffer of `size` holding `old`'s positions (the position axis is the one
+        whose length differs)."""
+        new = torch.zeros(size, dtype=self.dtype, device=self.device)
+        if old is not None:
+            new[tuple(slice(0, n) for n in old.shape)] = old
+        return new
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,32 +337,43 @@ class NativeLlama:
         cos, sin = rope_tables(shape)
         self.cos, self.sin = (table.to(self.dtype).to(self.device) for table in (cos, sin))
         self.fused = self._fused_weights()
-        # Keep the hidden state after these many layers, for every position, in the caches'
-        # `taps` (set by a feature drafter that reads them; empty: none).
-        self.taps: tuple[int, ...] = ()
         # The PyTorch path's attention plan (unused when the C++ kernels run every layer).
         group = shape.num_heads // shape.num_kv_heads
         self.grouped_queries = self.fused is None and _rows_are_independent(
             self.dtype, self.device, shape.head_dim, group)
 
-    def _fused_weights(self) -> list[torch.Tensor] | None:
-        """The layers' tensors in kernels.forward_layers' order, where every linear layer runs
-        on the AMX kernel; None otherwise (the PyTorch loop runs)."""
+    def _fused_weights(self):
+        """The weights as kernels.forward_layers takes them (a `kernels.Decoder`, checked once
+        here), where every linear layer runs on verispec's kernels; None otherwise (the
+        PyTorch loop runs)."""
         self.kernels = None
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
         if not self.layers or any(lin.tiles is None for lin in linears) \
                 or self.shape.head_dim > 256 or self.shape.head_dim % 2:
             return None
-        self.kernels = self.layers[0].qkv.kernels  # the module the weights were packed for
-        return [tensor.contiguous() for layer in self.layers for tensor in (
-            layer.attn_norm, layer.mlp_norm, layer.qkv.bias,
-            layer.qkv.tiles, layer.qkv.tile_scales, layer.out.tiles, layer.out.tile_scales,
-            layer.gate_up.tiles, layer.gate_up.tile_scales, layer.down.tiles,
-            layer.down.tile_scales)]
+        self.kernels = kernels = self.layers[0].qkv.kernels  # the module that packed them
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.shape, self.dtype, self.device)
+        def packed(linear: Linear):
+            return kernels.PackedLinear(tiles=linear.tiles, scales=linear.tile_scales,
+                                        bias=linear.bias, out_features=linear.out_features)
+
+        shape = self.shape
+        return kernels.Decoder(
+            shape=kernels.Shape(hidden=shape.hidden_size, heads=shape.num_heads,
+                                kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                                intermediate=shape.intermediate_size, eps=shape.rms_norm_eps),
+            layers=[kernels.LayerWeights(attn_norm=layer.attn_norm.contiguous(),
+                                         mlp_norm=layer.mlp_norm.contiguous(),
+                                         qkv=packed(layer.qkv), out=packed(layer.out),
+                                         gate_up=packed(layer.gate_up), down=packed(layer.down))
+                    for layer in self.layers],
+            cos=self.cos.contiguous(), sin=self.sin.contiguous(), short_pass=INVARIANT_MAX)
+
+    def new_cache(self, tap_layers: tuple[int, ...] = ()) -> KVCache:
+        """An empty cache for one sequence; passes over it also keep the hidden states after
+        `tap_layers` layers (what a feature draft with taps reads)."""
+        return KVCache(self.shape, self.dtype, self.device, tap_layers)
 
     @classmethod
     def from_hf(cls, model: PreTrainedModel, dtype: torch.dtype | None = None,
@@ -405,7 +422,8 @@ class NativeLlama:
                      ) -> list[torch.Tensor]:
         """Every row's new positions in one pass -> per row logits [num_logits, V] float32; each
         position's last hidden state goes to its row's cache.features (a feature drafter reads
-        them). inputs [N, H]: vectors to use instead of the rows' token embeddings.
+        them), and the hidden states after the cache's tap_layers to its taps. inputs [N, H]:
+        vectors to use instead of the rows' token embeddings.
 
         The decoder layers run in one C++ call where the kernels can (`_fused_layers`), else
         in PyTorch ops (`_torch_layers`). Either way linear layers see all N = sum(T)
@@ -414,23 +432,26 @@ class NativeLlama:
         (tests/test_batch.py, tests/test_kernels.py)."""
         lengths = [int(row.ids.numel()) for row in rows]
         for row, length in zip(rows, lengths, strict=True):
-            row.cache.reserve(row.start + length, len(self.taps))
+            row.cache.reserve(row.start + length)
         paths = [row.paths() for row in rows]  # per row: None, or each slot's tree path
         if inputs is None:
             inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
         x = inputs  # [N, H]
-        taps = torch.empty(x.shape[0] if self.taps else 0, len(self.taps), x.shape[1],
+        # The pass keeps the hidden states after every layer some row's cache taps.
+        tap_layers = list(dict.fromkeys(tap for row in rows for tap in row.cache.tap_layers))
+        taps = torch.empty(x.shape[0] if tap_layers else 0, len(tap_layers), x.shape[1],
                            dtype=self.dtype, device=self.device)  # [N, n, H]: only when kept
         if self.fused is not None:
-            x = self._fused_layers(rows, lengths, paths, x, taps)
+            x = self._fused_layers(rows, lengths, paths, x, tap_layers, taps)
         else:
-            x = self._torch_layers(rows, lengths, paths, x, taps)
-        # The head, only for the positions whose logits are wanted.
+            x = self._torch_layers(rows, lengths, paths, x, tap_layers, taps)
         ends = list(itertools.accumulate(lengths))
         for row, length, end in zip(rows, lengths, ends, strict=True):
             row.cache.features[row.start:row.start + length] = x[end - length:end]
-            if self.taps:
-                row.cache.taps[row.start:row.start + length] = taps[end - length:end]
+            if row.cache.tap_layers:
+                columns = [tap_layers.index(tap) for tap in row.cache.tap_layers]
+                row.cache.taps[row.start:row.start + length] = taps[end - length:end, columns]
+        # The head, only for the positions whose logits are wanted.
         wanted = torch.cat([torch.arange(end - row.num_logits, end)
                             for row, end in zip(rows, ends, strict=True)])
         logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
@@ -438,10 +459,9 @@ class NativeLlama:
 
     def _fused_layers(self, rows: list[RowPass], lengths: list[int],
                       paths: list[list[list[int]] | None], x: torch.Tensor,
-                      taps: torch.Tensor) -> torch.Tensor:
+                      tap_layers: list[int], taps: torch.Tensor) -> torch.Tensor:
         """Every decoder layer in one C++ call (kernels.cpp): x [N, H] -> [N, H], the tapped
         hidden states into taps [N, n, H]. Tree rows pass each slot's path, flattened."""
-        shape = self.shape
         x = x.contiguous().clone()  # updated in place
         bases, slots, offsets = [], [], [0]  # offsets [N + 1] into slots, when any row is a tree
         if any(row_paths is not None for row_paths in paths):
@@ -450,17 +470,17 @@ class NativeLlama:
                 for path in row_paths or [[]] * length:
                     slots.extend(path)
                     offsets.append(len(slots))
-        self.kernels.forward_layers(
-            x, self.fused, self.cos, self.sin, [row.cache.keys for row in rows],
-            [row.cache.values for row in rows], [row.start for row in rows], lengths,
-            [shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-             shape.intermediate_size], shape.rms_norm_eps, INVARIANT_MAX, taps, list(self.taps),
-            bases, slots, offsets)
+        batch = self.kernels.PassRows(
+            keys=[row.cache.keys for row in rows], values=[row.cache.values for row in rows],
+            starts=[row.start for row in rows], lengths=lengths, tree_bases=bases,
+            path_slots=slots, path_offsets=offsets)
+        self.kernels.forward_layers(x, decoder=self.fused, rows=batch, taps=taps,
+                                    tap_layers=tap_layers)
         return x
 
     def _torch_layers(self, rows: list[RowPass], lengths: list[int],
                       paths: list[list[list[int]] | None], x: torch.Tensor,
-                      taps: torch.Tensor) -> torch.Tensor:
+                      tap_layers: list[int], taps: torch.Tensor) -> torch.Tensor:
         """The decoder layers in PyTorch ops: x [N, H] -> [N, H], the tapped hidden states
         into taps [N, n, H]."""
         shape = self.shape
@@ -494,7 +514,7 @@ class NativeLlama:
             # 3. SwiGLU MLP.
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-            for j, tap in enumerate(self.taps):
+            for j, tap in enumerate(tap_layers):
                 if tap == index + 1:
                     taps[:, j] = x
         return x
@@ -527,7 +547,7 @@ class NativeLlama:
         group = heads // kv_heads
         # A query's heads that share a KV head ride as `group` rows of that head: no copies of
         # keys. 4-d inputs take the fused CPU kernel (3-d ones fall back to the unfused math
-        # path, ~3x slower).
+        # path, several times slower).
         keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, nkv, capacity, d]
         grouped = q.view(kv_heads, group, length, dim)
         if plan is not None:  # padded, masked, the queries of one key length together

@@ -14,24 +14,78 @@ from dataclasses import dataclass
 import torch
 
 from verispec.runtime.base import PrefixRunner, common_prefix
-from verispec.runtime.native.llama import INVARIANT_MAX, NativeLlama, RowPass, TreeLinks
+from verispec.runtime.native.llama import (
+    INVARIANT_MAX,
+    NativeLlama,
+    RowPass,
+    TreeLinks,
+    check_taps,
+)
 
 
 class NativeRunner(PrefixRunner):
     """One sequence of a NativeLlama, with its own KV cache. The cache is indexed by position, so
     truncating it is only forgetting the ids: the next pass writes over the stale positions.
-    Runners made by `sibling()` share the model's weights, one sequence each."""
+    Runners made by `sibling()` share the model's weights, one sequence each.
 
-    def __init__(self, model: NativeLlama) -> None:
+    For a feature draft, the runner keeps at every cached position the target's last hidden
+    state (`features`) and, once asked (`keep_taps`), the hidden states after some of its
+    layers (`tapped_states`). `model` (the NativeLlama, read-only to callers) lends such a draft
+    the target's embedding table and final norm. The model holds weights only: what a runner
+    keeps is the runner's, so runners of one model may serve different drafts.
+    """
+
+    def __init__(self, model: NativeLlama, tap_layers: tuple[int, ...] = ()) -> None:
         super().__init__(device=model.device, vocab_size=int(model.lm_head.out_features),
                          max_positions=model.shape.max_positions)
         self.model = model
-        self.cache = model.new_cache()
+        self.cache = model.new_cache(tap_layers)
         self._tree: _PendingTree | None = None  # the last pass's tree, until the next call
 
     def sibling(self) -> NativeRunner:
-        """Another sequence on the same weights."""
-        return NativeRunner(self.model)
+        """Another sequence on the same weights, keeping the same taps."""
+        return NativeRunner(self.model, self.tap_layers)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The layer counts after which this runner keeps every position's hidden state."""
+        return self.cache.tap_layers
+
+    def keep_taps(self, layers: tuple[int, ...]) -> None:
+        """From now on keep the hidden states after `layers` layers at every position.
+
+        A runner keeps one set of taps: asking for none, or for the ones it keeps, changes
+        nothing; a runner that keeps none starts keeping these, forgetting its sequence (the
+        positions cached so far were not tapped); other taps than it keeps are a ValueError
+        (two feature drafts that read different taps need runners of their own)."""
+        layers = check_taps(layers, self.model.shape.num_layers)
+        if not layers or layers == self.tap_layers:
+            return
+        if self.tap_layers:
+            raise ValueError(f"this runner keeps the hidden states after layers "
+                             f"{self.tap_layers}, not {layers}: one set of taps a runner")
+        self.cache = self.model.new_cache(layers)
+        self.reset()
+
+    def features(self, start: int, end: int) -> torch.Tensor:
+        """[end - start, H]: the target's last hidden state (before its final norm) at the
+        cached positions start..end-1, a view into the cache valid until the next pass."""
+        self._check_cached(start, end)
+        return self.cache.features[start:end]
+
+    def tapped_states(self, start: int, end: int) -> torch.Tensor:
+        """[end - start, len(tap_layers), H]: the hidden states after each of tap_layers at the
+        cached positions start..end-1, a view valid until the next pass."""
+        if not self.tap_layers:
+            raise ValueError("this runner keeps no taps (keep_taps first)")
+        self._check_cached(start, end)
+        return self.cache.taps[start:end]
+
+    def _check_cached(self, start: int, end: int) -> None:
+        if not 0 <= start <= end <= self.cached_length:
+            raise ValueError(f"positions {start}..{end - 1} are not all cached (the cache holds "
+                             f"{self.cached_length})")
+        self.cache.reserve(max(end, 1))  # a cache no pass has written yet has no buffers
 
     def describe(self) -> str:
         return self.model.describe()

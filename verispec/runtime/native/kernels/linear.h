@@ -84,14 +84,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void block_produ
 // multiplying one pair of K by the block's 32 x 2 weights with VDPBF16PS. A row keeps SPLIT
 // partial sums per 16 features (pair p goes to sum p % SPLIT; added at the end) so that even a
 // lone row has four independent chains; R x SPLIT x 2 accumulators must fit in 32 registers
-// with the weights. SPLIT 2 with R up to 6 against SPLIT 4 with R up to 3 (SmolLM2's linear
-// layers, rows against one row, on an AMD EPYC): 4 rows 1.19-1.23 -> 1.06-1.11, 6 rows
-// 1.18-1.30 -> 1.07-1.16, 16 rows 1.21-1.23 -> 1.11-1.15, one row no slower. Blocks of up to 7
-// rows (28 accumulators), not 6: a second pass over every block costs ~0.15 of a one-row pass
-// however few rows it takes, so 7 rows went from 1.25 to 1.04-1.08x one row (the same process
-// state: 7.16 -> 5.98 ms), 8-16 rows the same or up to 4% faster (passes as even as they go:
-// 16 rows 6 + 5 + 5, not 7 + 7 + 2, which cost 1.33x). A row's sums run in the same order
-// whatever R is, so its bits do not depend on the other rows.
+// with the weights. Two sums a row leave room for more rows a block than four, and more rows
+// a block mean fewer passes over the weights: each extra pass over a block costs a fixed share
+// of a one-row pass however few rows it takes, which is also why a call's rows are split into
+// blocks as even as they go (16 rows as 6 + 5 + 5, not 7 + 7 + 2). A row's sums run in the
+// same order whatever R is, so its bits do not depend on the other rows.
 constexpr int SPLIT = 2;  // the sums in vector_rows add two
 constexpr int64_t VECTOR_ROWS = 7;  // rows per register block (block_product_vector's cases)
 static_assert(VECTOR_ROWS * SPLIT * 2 + 3 <= 32,
@@ -100,10 +97,9 @@ static_assert(VECTOR_ROWS * SPLIT * 2 + 3 <= 32,
 // `ahead` [ahead_lines of 64 bytes]: memory to prefetch into L2 meanwhile, spread over K (the
 // thread's next weight block, or this pass's share of it): a wide call multiplies each block
 // once per register block of rows, and without it the memory stream would idle meanwhile.
-// steady: a few lines every step of K (one pass over the block: all of SmolLM2's linear layers
-// for 1, 4 and 6 rows 4%, 6% and 10% faster than a tile's lines at once, medians of three
-// alternating runs), else a tile's lines at the start of each tile (with more passes the
-// steady stream measured no better, and worse at 16 rows).
+// steady: a few lines every step of K (one pass over the block: an even stream keeps the
+// memory busy without bursts), else a tile's lines at the start of each tile (with several
+// passes over a block, a steady stream gains nothing and can lose).
 // keep: where int8 weights are widened to (for the later passes), or null.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void vector_rows(
