@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
+from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix, kernels
 from verispec.quant.model import GGUFModel, qk_order
 from verispec.runtime.native.llama import LayerWeights, LlamaShape, NativeLlama
 from verispec.runtime.native.runner import NativeRunner
@@ -63,6 +63,19 @@ def native_from_gguf(model: GGUFModel) -> NativeLlama:
             gate_up=ConcatLinear([linear(f"{block}.ffn_gate"), linear(f"{block}.ffn_up")]),
             down=linear(f"{block}.ffn_down")))
     log.info("native runtime: %s at its own quantization", model.describe())
-    return NativeLlama(shape, model.embed, layers, vector("output_norm.weight"),
-                       QuantLinear(model.head))
+    return GGUFLlama(shape, model.embed, layers, vector("output_norm.weight"),
+                     QuantLinear(model.head))
+
+
+class GGUFLlama(NativeLlama):
+    """A NativeLlama on a GGUF file's blocks; describe() names the formats and the products."""
+
+    def describe(self) -> str:
+        linears = [self.lm_head, *(part for layer in self.layers
+                                   for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)
+                                   for part in getattr(lin, "parts", [lin]))]
+        types = sorted({lin.weight.qtype.name for lin in linears})
+        module = kernels()
+        products = f"{module.path} kernels" if module is not None else "PyTorch products"
+        return f"native float32, GGUF {'/'.join(types)} weights ({products})"
 
