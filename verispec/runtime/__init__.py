@@ -19,16 +19,15 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
-from verispec.loading import DTYPES
-from verispec.runtime.base import PrefixRunner, Runner, common_prefix
+from verispec.runtime.base import DTYPES, PrefixRunner, Runner, common_prefix
 from verispec.runtime.hf import HFRunner
 from verispec.runtime.native import NativeLlama, NativeRunner, UnsupportedModelError
 from verispec.runtime.native import batched_logits as native_batched_logits
 
 log = logging.getLogger("verispec")
 
-__all__ = ["RUNTIMES", "HFRunner", "NativeRunner", "PrefixRunner", "Runner", "batched_logits",
-           "common_prefix", "make_runner"]
+__all__ = ["DTYPES", "RUNTIMES", "HFRunner", "NativeRunner", "PrefixRunner", "Runner",
+           "batched_logits", "common_prefix", "make_runner"]
 
 RUNTIMES = ("auto", "hf", "native")
 

@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @runtime_checkable
 class Runner(Protocol):

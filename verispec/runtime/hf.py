@@ -2,15 +2,28 @@
 
 Its cache keeps full-attention layers in preallocated buffers (`PreallocatedLayer`), so a step
 writes only its new positions and a rollback is moving a length.
+
+Models that verispec loads itself run the attention `grouped_sdpa()` names: transformers' SDPA
+attention, except that grouped-query models hand torch their KV heads as they are. Stock SDPA
+copies every KV head once per query head whenever a pass has a mask, which a verification
+pass over a cache always has; the option is the model's (`attn_implementation` at load), so
+models a caller brings keep theirs and nothing changes process-wide.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from transformers import DynamicCache, PreTrainedModel
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verispec.runtime.base import PrefixRunner
+
+GROUPED_SDPA = "verispec_grouped_sdpa"
 
 
 class HFRunner(PrefixRunner):
@@ -112,3 +125,36 @@ def _max_positions(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 1 << 30
+
+
+@functools.cache
+def grouped_sdpa() -> str:
+    """The `attn_implementation` name of `grouped_sdpa_attention` (registered with transformers
+    on the first call, beside its own implementations; it changes no other model)."""
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks SDPA takes
+    return GROUPED_SDPA
+
+
+def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask: torch.Tensor | None,
+                           dropout: float = 0.0, scaling: float | None = None,
+                           is_causal: bool | None = None, **kwargs
+                           ) -> tuple[torch.Tensor, None]:
+    """query [B, nh, T, d], key and value [B, nkv, S, d] -> (attended [B, T, nh, d], None), as
+    transformers' SDPA attention computes it, with torch's SDPA reading each KV head for its
+    nh / nkv query heads in place (enable_gqa). Models without grouped heads, and attention
+    with a position bias or a softcap, go to transformers' own function unchanged."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups <= 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # Without a mask, a pass of several queries is causal from slot 0 (a prompt on an empty
+    # cache): transformers leaves the mask out exactly then.
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    attended = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                              dropout_p=dropout, scale=scaling,
+                                              is_causal=is_causal, enable_gqa=True)
+    return attended.transpose(1, 2).contiguous(), None
