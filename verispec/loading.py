@@ -141,7 +141,9 @@ def gguf_tokenizer(file: gguf.GGUFFile):
     if not file.has_tokenizer:
         log.info("no tokenizer in %s: prompts must be token ids", file.path.name)
         return None
-    target = cache_root().parent / "tokenizers" / file.tokenizer_key
+    # keyed by what the conversion reads and by what converts it
+    version = importlib.metadata.version("transformers")
+    target = cache_root().parent / "tokenizers" / f"{file.tokenizer_key}-transformers-{version}"
     if (target / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(target)
     log.info("converting the tokenizer of %s once (cached in %s)", file.path.name, target)
