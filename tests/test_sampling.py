@@ -3,7 +3,7 @@ import torch
 from conftest import chi2_pvalue
 
 from verispec import SamplingParams
-from verispec.sampling import greedy_tokens, sample, sample_distinct, warp
+from verispec.sampling import greedy_tokens, inverse_cdf, sample, sample_distinct, warp
 
 LOGITS = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
 
@@ -64,7 +64,8 @@ def test_greedy_has_no_distribution():
 @pytest.mark.parametrize("bad", [
     dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=-0.5),
     dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.0), dict(seed="x"),
-    dict(stop=("",)), dict(temperature=float("nan")),
+    dict(stop=("",)), dict(temperature=float("nan")), dict(verify="typical"),
+    dict(verify="invariant", temperature=1.0),
 ])
 def test_bad_params_are_clear_errors(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -142,3 +143,20 @@ def test_greedy_tokens_is_argmax_with_first_index_on_ties(dtype):
     logits = torch.randint(0, 5, (3, 7, 1000), generator=generator).to(dtype)  # many ties
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
     assert greedy_tokens(torch.tensor([[1.0, 3.0, 3.0, 0.0]])).tolist() == [1]
+
+
+def test_verify_defaults_to_block_and_invariant_needs_a_seed_only_when_sampling():
+    assert SamplingParams(temperature=1.0).verify == "block"
+    assert SamplingParams(temperature=1.0, seed=3, verify="invariant").verify == "invariant"
+    assert SamplingParams(verify="invariant").greedy  # greedy: already drafter-invariant
+    with pytest.raises(ValueError, match="needs a seed"):
+        SamplingParams(temperature=0.7, verify="invariant")
+
+
+def test_inverse_cdf_is_sample_with_its_uniform():
+    probs = torch.tensor([[0.0, 5.0, 0.0, 2.5, 2.5], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    for seed in range(20):
+        uniform = torch.rand((2, 1), generator=torch.Generator().manual_seed(seed),
+                             dtype=torch.float64)
+        assert torch.equal(inverse_cdf(probs, uniform),
+                           sample(probs, torch.Generator().manual_seed(seed)))

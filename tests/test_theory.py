@@ -1,11 +1,19 @@
+import itertools
+import random
+from fractions import Fraction
+
 import pytest
 import torch
 
 from verispec.theory import (
     batch_allocation,
+    expected_accepted,
     expected_speedup,
     expected_tokens,
+    gumbel_agreement,
+    iid,
     optimal_k,
+    round_law,
     sampled_acceptance,
 )
 from verispec.verify import rejection_sample
@@ -93,3 +101,109 @@ def test_batch_allocation_keeps_the_tokens_that_pay_for_the_whole_batch():
     assert batch_allocation(gains, steep) == list(best)
     with pytest.raises(ValueError, match="must not increase"):
         batch_allocation([[0.2, 0.5]], linear)
+
+
+# --- Exact laws of token-wise, block and invariant verification -----------------------------
+
+TOY_TARGET = [Fraction(1, 3), Fraction(2, 3)]
+TOY_DRAFT = [Fraction(2, 3), Fraction(1, 3)]
+
+
+def random_law(vocab, depth, rng, zeros=True):
+    """A next-token law for every prefix up to `depth` tokens, some entries zero."""
+    table = {}
+    for length in range(depth + 1):
+        for prefix in itertools.product(range(vocab), repeat=length):
+            weights = [rng.random() ** 3 for _ in range(vocab)]
+            if zeros and rng.random() < 0.3:
+                weights[rng.randrange(vocab)] = 0.0
+            table[prefix] = [w / sum(weights) for w in weights]
+    return table.__getitem__
+
+
+def continued(law, target, length):
+    """A round's law followed by plain sampling from the target up to `length` tokens."""
+    out = {}
+
+    def extend(tokens, chance):
+        if len(tokens) == length:
+            out[tokens] = out.get(tokens, 0) + chance
+            return
+        for token, mass in enumerate(target(tokens)):
+            if mass:
+                extend(tokens + (token,), chance * mass)
+
+    for tokens, chance in law.items():
+        extend(tokens, chance)
+    return out
+
+
+def test_the_papers_toy_case_exactly():
+    target, draft = iid(TOY_TARGET), iid(TOY_DRAFT)
+    assert expected_accepted(target, draft, 2, "token") == Fraction(10, 9)
+    assert expected_accepted(target, draft, 2, "block") == Fraction(11, 9)
+    assert expected_accepted(target, draft, 1, "token") == expected_accepted(target, draft, 1,
+                                                                             "block")
+    assert round_law(target, draft, 1, "token") == {
+        (1,): Fraction(1, 3), (0, 0): Fraction(1, 9), (0, 1): Fraction(2, 9),
+        (1, 0): Fraction(1, 9), (1, 1): Fraction(2, 9)}
+
+
+@pytest.mark.parametrize("method", ["token", "block", "invariant"])
+def test_every_method_is_exactly_lossless_on_random_prefix_dependent_laws(method):
+    rng = random.Random(method)
+    for _ in range(25):
+        vocab, k = rng.choice([2, 3, 4]), rng.choice([1, 2, 3])
+        target, draft = random_law(vocab, k + 1, rng), random_law(vocab, k + 1, rng)
+        got = continued(round_law(target, draft, k, method), target, k + 1)
+        expected = continued({(): 1.0}, target, k + 1)
+        assert max(abs(got.get(t, 0) - expected.get(t, 0)) for t in got.keys() | expected) < 1e-12
+    # negative control: accepting every draft token (the draft's law, then the target's) is
+    # told apart by the same comparison
+    accept_all = continued(continued({(): 1.0}, draft, k), target, k + 1)
+    assert max(abs(accept_all.get(t, 0) - expected.get(t, 0))
+               for t in accept_all.keys() | expected) > 1e-3
+
+
+def test_block_never_accepts_fewer_than_token_wise_on_random_laws():
+    rng = random.Random(1)
+    gains = []
+    for _ in range(40):
+        vocab, k = rng.choice([2, 3, 4]), rng.choice([2, 3, 4])
+        target, draft = random_law(vocab, k, rng), random_law(vocab, k, rng)
+        block = expected_accepted(target, draft, k, "block")
+        token = expected_accepted(target, draft, k, "token")
+        assert block >= token - 1e-12
+        gains.append(block - token)
+    assert max(gains) > 0.01  # the inequality is strict on some cases: the check has power
+
+
+def test_point_mass_drafts_make_block_and_token_wise_the_same_law():
+    """A draft without probabilities (n-gram lookup) is a point mass: then P(tau >= i) is the
+    product of p(x_j) under both procedures and the residual is p without the draft token."""
+    rng = random.Random(2)
+    for _ in range(20):
+        vocab, k = rng.choice([2, 3, 4]), rng.choice([1, 2, 3])
+        target = random_law(vocab, k, rng)
+        proposals = {}
+
+        def lookup(prefix, vocab=vocab, proposals=proposals):
+            token = proposals.setdefault(prefix, rng.randrange(vocab))
+            return [1.0 if t == token else 0.0 for t in range(vocab)]
+
+        token_law, block_law = (round_law(target, lookup, k, m) for m in ("token", "block"))
+        assert token_law.keys() == block_law.keys()
+        assert max(abs(token_law[t] - block_law[t]) for t in token_law) < 1e-12
+
+
+def test_invariant_agreement_is_at_least_the_coupling_bound():
+    rng = random.Random(3)
+    for _ in range(50):
+        vocab = rng.choice([2, 3, 5, 8])
+        p, q = random_law(vocab, 0, rng)(()), random_law(vocab, 0, rng)(())
+        tv = 0.5 * sum(abs(a - b) for a, b in zip(p, q, strict=True))
+        agreement = sum(gumbel_agreement(p, q))
+        assert (1 - tv) / (1 + tv) - 1e-12 <= agreement <= 1 - tv + 1e-12
+        assert expected_accepted(iid(p), iid(q), 1, "invariant") == pytest.approx(agreement)
+    with pytest.raises(ValueError, match="method"):
+        round_law(iid(p), iid(q), 1, "typical")

@@ -2,19 +2,30 @@
 
 import pytest
 import torch
-from conftest import always_accept
 from scipy.stats import chisquare
 
 from verispec.verify import (
     PAD_TOKEN,
+    RowVerification,
+    block_verify,
     greedy_verify,
     greedy_verify_tree,
+    invariant_verify,
     rejection_sample,
     rejection_sample_tree,
     residual,
+    verify_rows,
 )
 
 V = 6
+
+
+def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    """Negative control for the distribution tests: a verifier that accepts every draft token,
+    so its output follows the draft's distribution, not the target's."""
+    batch, k = draft_tokens.shape
+    bonus = torch.multinomial(target_probs[:, -1], 1, generator=generator)
+    return torch.cat([draft_tokens, bonus], 1), torch.full((batch,), k)
 
 
 def one_hot(*tokens, eps=0.0):
@@ -302,3 +313,74 @@ def test_tree_rejection_sampling_table():
         assert (path == [0] and tokens[0] == 0) or (path == [] and tokens == [2])
         outcomes.append(tuple(path))
     assert 15 < outcomes.count((0,)) < 45
+
+
+# --- Ragged batches: verify_rows equals each row's one-row call ------------------------------
+
+
+def one_row(method, tokens, draft, target, row):
+    """The one-row function verify_rows must reproduce, on that row's [1, K_b] slice."""
+    generator = None if row.generator is None else torch.Generator().manual_seed(
+        row.generator.initial_seed())
+    if method == "greedy":
+        out, accepted = greedy_verify(tokens[None], target[None])
+    elif method == "invariant":
+        out, accepted = invariant_verify(tokens[None], target[None], row.seed, row.start_position)
+    else:
+        verify = block_verify if method == "block" else rejection_sample
+        out, accepted = verify(tokens[None], None if draft is None else draft[None], target[None],
+                               generator)
+    return out[0, : int(accepted) + 1].tolist(), int(accepted)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_verify_rows_equals_per_row_calls(seed):
+    rng = torch.Generator().manual_seed(seed)
+    methods = ["greedy", "token", "block", "invariant"]
+    batch = 12
+    lengths = torch.randint(0, 5, (batch,), generator=rng).tolist()
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    total = offsets[-1]
+    draft_tokens = torch.randint(0, V, (total,), generator=rng)
+    draft_probs = torch.softmax(torch.randn(total, V, generator=rng, dtype=torch.float64), -1)
+    target_probs = torch.softmax(torch.randn(total + batch, V, generator=rng,
+                                             dtype=torch.float64) * 0.5, -1)
+    rows = [RowVerification(methods[b % 4], torch.Generator().manual_seed(100 * seed + b),
+                            seed=b, start_position=3 * b, draft_has_probs=b % 3 != 0)
+            for b in range(batch)]
+    tokens, accepted = verify_rows(draft_tokens, offsets, draft_probs, target_probs, rows)
+    for b, row in enumerate(rows):
+        own = slice(offsets[b], offsets[b + 1])
+        draft = draft_probs[own] if row.draft_has_probs else None
+        expected = one_row(row.method, draft_tokens[own], draft,
+                           target_probs[offsets[b] + b : offsets[b + 1] + b + 1], row)
+        assert (tokens[b], accepted[b]) == expected, (b, row.method)
+
+
+def test_verify_rows_one_method_one_k_and_no_draft_probs():
+    rng = torch.Generator().manual_seed(5)
+    target_probs = torch.softmax(torch.randn(4 * 3, V, generator=rng), -1)
+    draft_tokens = torch.randint(0, V, (4 * 2,), generator=rng)
+    rows = [RowVerification("block", torch.Generator().manual_seed(b)) for b in range(4)]
+    tokens, accepted = verify_rows(draft_tokens, [0, 2, 4, 6, 8], None, target_probs, rows)
+    for b in range(4):
+        expected = one_row("block", draft_tokens[2 * b : 2 * b + 2], None,
+                           target_probs[3 * b : 3 * b + 3], rows[b])
+        assert (tokens[b], accepted[b]) == expected
+
+
+def test_verify_rows_refuses_inconsistent_input():
+    rows = [RowVerification("token"), RowVerification("greedy")]
+    tokens, probs = torch.zeros(3, dtype=torch.long), torch.full((3, V), 1.0 / V)
+    with pytest.raises(ValueError, match="cu_num_draft"):
+        verify_rows(tokens, [0, 1, 2], probs, torch.full((5, V), 0.2), rows)
+    with pytest.raises(ValueError, match="target_probs"):
+        verify_rows(tokens, [0, 1, 3], probs, torch.full((4, V), 0.2), rows)
+    with pytest.raises(ValueError, match="positive"):
+        verify_rows(tokens, [0, 1, 3], probs, torch.zeros(5, V), rows)
+    with pytest.raises(ValueError, match="method"):
+        RowVerification("typical")
+    with pytest.raises(ValueError, match="seed"):
+        RowVerification("invariant")
