@@ -140,7 +140,7 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None) -> 
             if output is None:
                 return Response(status_code=CLIENT_CLOSED)
         except GenerationFailed:
-            raise internal_error(reply) from None
+            raise internal_error(reply, handle) from None
         finally:
             release(handle)
         return JSONResponse(reply.full(output, handle.prompt_tokens))
@@ -169,7 +169,7 @@ async def stream(reply: Reply, handle: RequestHandle, clock: Clock, include_usag
                 if include_usage:
                     yield sse(reply.usage_chunk(output, handle.prompt_tokens))
     except GenerationFailed:
-        yield sse(internal_error(reply).body())
+        yield sse(internal_error(reply, handle).body())
     yield sse("[DONE]")
 
 
@@ -177,10 +177,11 @@ def queue_full(message: str) -> APIError:
     return APIError(429, message, type="rate_limit_error", code="queue_full")
 
 
-def internal_error(reply: Reply) -> APIError:
+def internal_error(reply: Reply, handle: RequestHandle | None = None) -> APIError:
     """The 500 of a request whose round failed: its id, to find the cause in the log."""
     request_id = reply.response_id
-    log.error("request %s failed in its round (the engine logged why)", request_id)
+    log.error("request %s failed (the engine logged why under its request %s)", request_id,
+              None if handle is None else handle.request_id)
     return APIError(500, f"internal error (request {request_id})", type="server_error")
 
 
