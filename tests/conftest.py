@@ -93,12 +93,33 @@ def perturbed_copy(model, noise: float, seed: int):
     return draft
 
 
-def always_accept(draft_tokens, draft_probs, target_probs, generator):
-    """Negative control for the distribution tests: a verifier that accepts every draft token,
-    so its output follows the draft's distribution, not the target's."""
-    batch, k = draft_tokens.shape
-    bonus = torch.multinomial(target_probs[:, -1], 1, generator=generator)
-    return torch.cat([draft_tokens, bonus], 1), torch.full((batch,), k)
+def always_accept_rows(draft_tokens, cu_num_draft, draft_probs, target_probs, rows):
+    """`always_accept` in the ragged form the scheduler calls (verify.verify_rows): every
+    draft token accepted, the bonus drawn from each row's last target row."""
+    tokens, accepted = [], []
+    for b, row in enumerate(rows):
+        start, end = cu_num_draft[b], cu_num_draft[b + 1]
+        last = target_probs[end + b]  # the row's K_b + 1 target rows end here
+        if row.method == "greedy":
+            bonus = int(last.argmax())
+        else:
+            bonus = int(torch.multinomial(last.clamp(min=0), 1, generator=row.generator))
+        tokens.append(draft_tokens[start:end].tolist() + [bonus])
+        accepted.append(end - start)
+    return tokens, accepted
+
+
+def exact_joint(model, prompt: list[int], params) -> torch.Tensor:
+    """p(t1, t2) [V, V] of the first two tokens after `prompt` under the warped distribution
+    of `model` (an HF causal LM): 1 + V forward passes."""
+    from verispec.sampling import warp
+
+    with torch.no_grad():
+        first = warp(model(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+        vocab = first.shape[-1]
+        contexts = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = warp(model(contexts).logits[:, -1], params)  # [V, V]
+    return (first.unsqueeze(1) * second).double()
 
 
 def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:

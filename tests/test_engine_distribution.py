@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import always_accept, chi2_pvalue, perturbed_copy, tiny_llama
+from conftest import always_accept_rows, chi2_pvalue, exact_joint, perturbed_copy, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import scheduler as scheduler_module
 from verispec.drafters import ModelDrafter, NgramDrafter
-from verispec.sampling import warp
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so the n-gram drafter has something to propose
@@ -30,15 +29,6 @@ def target():
 @pytest.fixture(scope="module")
 def draft(target):
     return perturbed_copy(target, noise=0.2, seed=0)
-
-
-def exact_joint(model, params: SamplingParams) -> torch.Tensor:
-    """p(t1, t2) [V, V] under the warped distribution of `model`."""
-    with torch.no_grad():
-        first = warp(model(torch.tensor([PROMPT])).logits[0, -1], params)  # [V]
-        contexts = torch.tensor([PROMPT + [t] for t in range(V)])
-        second = warp(model(contexts).logits[:, -1], params)  # [V, V]
-    return (first.unsqueeze(1) * second).double()
 
 
 def sampled_joint(decoder: SpeculativeDecoder, params: SamplingParams) -> torch.Tensor:
@@ -63,22 +53,23 @@ SETTINGS = {
 def test_draft_model_engine_matches_target_joint(name, target, draft):
     params = SETTINGS[name]
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V), k=3)
-    assert chi2_pvalue(sampled_joint(decoder, params), exact_joint(target, params)) > 1e-3
+    assert chi2_pvalue(sampled_joint(decoder, params), exact_joint(target, PROMPT, params)) > 1e-3
 
 
 def test_ngram_engine_matches_target_joint(target):
     params = SETTINGS["temperature 1"]
     decoder = SpeculativeDecoder(target, None, NgramDrafter(), k=3)
-    assert chi2_pvalue(sampled_joint(decoder, params), exact_joint(target, params)) > 1e-3
+    assert chi2_pvalue(sampled_joint(decoder, params), exact_joint(target, PROMPT, params)) > 1e-3
 
 
 def test_negative_control_always_accept_is_detected(target, draft, monkeypatch):
     """Power: the draft's joint is far from the target's, and an engine that skips the
     rejection step fails the same test."""
     params = SETTINGS["temperature 1"]
-    target_joint, draft_joint = exact_joint(target, params), exact_joint(draft, params)
+    target_joint = exact_joint(target, PROMPT, params)
+    draft_joint = exact_joint(draft, PROMPT, params)
     assert 0.5 * (target_joint - draft_joint).abs().sum() > 0.1
-    monkeypatch.setattr(scheduler_module, "rejection_sample", always_accept)
+    monkeypatch.setattr(scheduler_module, "verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V), k=3)
     assert chi2_pvalue(sampled_joint(decoder, params), target_joint) < 1e-6
 

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import EOS_ID, always_accept, byte_tokenizer, chi2_pvalue, tiny_llama
+from conftest import EOS_ID, always_accept_rows, byte_tokenizer, chi2_pvalue, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec import engine as engine_module
 from verispec import scheduler as scheduler_module
 from verispec.distill import DistillConfig, distill
 from verispec.distill.feature import FeatureHead, FrozenHead
@@ -119,8 +118,8 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 13, 27)]
     expected = [plain.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
     paths = []
-    verify_tree = engine_module.greedy_verify_tree
-    monkeypatch.setattr(engine_module, "greedy_verify_tree", lambda tokens, parents, logits: (
+    verify_tree = scheduler_module.greedy_verify_tree
+    monkeypatch.setattr(scheduler_module, "greedy_verify_tree", lambda tokens, parents, logits: (
         paths.append((parents.tolist(), verify_tree(tokens, parents, logits)[1]))
         or verify_tree(tokens, parents, logits)))
     batch_trees = []
@@ -135,12 +134,11 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
             assert [o.token_ids for o in alone] == expected
             assert [o.token_ids for o in spec.generate(prompts, params)] == expected  # chains
             # trees in a batch too (the scheduler keeps them to batches of one by default)
-            monkeypatch.setattr(scheduler_module, "TREE_MAX_BATCH", 3)
+            spec.config = dataclasses.replace(spec.config, tree_max_batch=3)
             before = len(paths)
             assert [o.token_ids for o in spec.generate(prompts, params)] == expected
             if k == 3:  # (auto may find trees too dear for a batch of this tiny model)
                 batch_trees.append(len(paths) - before)
-            monkeypatch.setattr(scheduler_module, "TREE_MAX_BATCH", 1)
     assert min(batch_trees) > 0
     assert paths and max(len(parents) for parents, _ in paths) > 3  # wider than a chain of 3
     # Some accepted node is not its parent's first child: the tree found what a chain missed.
@@ -376,7 +374,7 @@ def first_child_always(tokens, parents, draft_probs, target_probs, generator):
 def test_negative_control_always_accept_with_a_feature_draft_is_detected(small_target,
                                                                          monkeypatch,
                                                                          tree_width):
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
-    monkeypatch.setattr(engine_module, "rejection_sample_tree", first_child_always)
+    monkeypatch.setattr(scheduler_module, "verify_rows", always_accept_rows)
+    monkeypatch.setattr(scheduler_module, "rejection_sample_tree", first_child_always)
     counts = counts_of_tokens_2_and_3(small_target, tree_width)
     assert chi2_pvalue(counts, native_joint_of_tokens_2_and_3(small_target)) < 1e-6

@@ -61,7 +61,8 @@ class DecodeConfig:
         if self.heuristic_start_k < 1:
             raise ValueError(f"heuristic_start_k must be >= 1, got {self.heuristic_start_k}")
         sizes = self.cost_batch_sizes
-        if not sizes or sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        rising = all(a < b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+        if not sizes or sizes[0] != 1 or not rising:
             raise ValueError(f"cost_batch_sizes must rise from 1, got {sizes!r}")
         if self.batch_margin < 1.0:
             raise ValueError(f"batch_margin must be >= 1, got {self.batch_margin}")

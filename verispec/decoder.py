@@ -11,10 +11,10 @@ import torch
 from transformers import PreTrainedModel
 
 from verispec import loading
-from verispec.drafters import Drafter
-from verispec.drafters.base import follow_target
 from verispec.config import DEFAULT_TREE_WIDTH, DecodeConfig, check_tree_width
 from verispec.costs import CostModel, measure_batch_costs, measure_costs
+from verispec.drafters import Drafter
+from verispec.drafters.base import follow_target
 from verispec.drafters.load import load_drafter
 from verispec.params import SamplingParams
 from verispec.policy import AdaptiveK, FixedK, HeuristicK, KPolicy, parse_k
@@ -76,6 +76,7 @@ class SpeculativeDecoder:
         self.drafter = drafter
         follow_target(drafter, self.target)
         self.k = k if drafter is not None else 0
+        self.lookup_k = k  # for requests that bring their own draft source (a prediction)
         self.chat = chat
         self.eos_ids = eos_ids(target, tokenizer)
         self._costs: CostModel | None = costs
@@ -119,15 +120,18 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset()
 
-    def new_policy(self, params: SamplingParams | None = None) -> KPolicy:
-        """A fresh K policy for one request (sampled rows price their drafts' sampling)."""
-        if self.k == "auto":
-            self.costs  # measured once, before any request is timed
+    def new_policy(self, params: SamplingParams | None = None, predicted: bool = False
+                   ) -> KPolicy:
+        """A fresh K policy for one request (sampled rows price their drafts' sampling;
+        predicted: it brings a prediction, a draft source of its own)."""
+        k = self.lookup_k if predicted else self.k
+        if k == "auto":
+            _ = self.costs  # measured once, before any request is timed
             params = params or SamplingParams()
             return AdaptiveK(self.config, sampling=not params.greedy)
-        if self.k == "heuristic":
+        if k == "heuristic":
             return HeuristicK(k=self.config.heuristic_start_k)
-        return FixedK(self.k)
+        return FixedK(k)
 
     @classmethod
     def from_pretrained(
@@ -173,17 +177,22 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 chat: bool | None = None, max_batch: int | None = None
+                 chat: bool | None = None, max_batch: int | None = None,
+                 prediction: str | Sequence[int] | None = None
                  ) -> GenerationOutput | list[GenerationOutput]:
         """One prompt -> its output. A list of prompts (strings, or lists of token ids) -> their
         outputs in order, decoded together as one batch (`verispec.scheduler`; up to max_batch
-        at once, default all), with one params for all or one per prompt."""
+        at once, default all), with one params for all or one per prompt. prediction (one
+        prompt): see `stream`."""
         if _is_batch(prompt):
+            if prediction is not None:
+                raise ValueError("a prediction goes with one prompt (use the scheduler's add "
+                                 "for a batch with predictions)")
             return self._generate_batch(list(prompt), params, chat, max_batch)
         if isinstance(params, list):
             raise ValueError("a list of params needs a list of prompts")
         output = None
-        for chunk in self.stream(prompt, params, chat=chat):
+        for chunk in self.stream(prompt, params, chat=chat, prediction=prediction):
             output = chunk.output
         assert output is not None
         return output
@@ -200,15 +209,18 @@ class SpeculativeDecoder:
         return [outputs[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               chat: bool | None = None) -> Iterator[StreamChunk]:
+               chat: bool | None = None, prediction: str | Sequence[int] | None = None
+               ) -> Iterator[StreamChunk]:
         """Yield new text and ids after every verification round; the last chunk carries the
         whole output and its stats. Bad input raises here, before the first chunk.
 
         A lone prompt is a batch of one of the scheduler, on the decoder's own runner and
-        drafter (so a prompt that shares a prefix with the previous one reuses its cache)."""
+        drafter (so a prompt that shares a prefix with the previous one reuses its cache).
+        prediction: the output as it is expected to be, mostly (OpenAI's Predicted Outputs:
+        text or ids, a draft source; the output is the target's whatever it says)."""
         scheduler = Scheduler(self, max_batch=1, runners=[self.target],
                               drafters=[self.drafter] if self.drafter is not None else [])
-        scheduler.add(prompt, params or SamplingParams(), chat=chat)
+        scheduler.add(prompt, params or SamplingParams(), chat=chat, prediction=prediction)
         return self._chunks(scheduler)
 
     @staticmethod
@@ -226,6 +238,21 @@ class SpeculativeDecoder:
         stopped_on_eos = bool(ids) and ids[-1] in self.eos_ids and not params.ignore_eos
         finish_reason = "stop" if text.stopped or stopped_on_eos else "length"
         return GenerationOutput(text.text, ids, finish_reason, stats.finish())
+
+    def encode_prediction(self, prediction: str | Sequence[int]) -> torch.Tensor:
+        """A predicted output (text, or token ids) -> ids [P] long, as the output would hold
+        them (no special tokens, no chat template)."""
+        if isinstance(prediction, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prediction as token ids")
+            ids = self.tokenizer(prediction, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(prediction)
+            vocab = self.target.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in ids):
+                raise ValueError(f"prediction token ids must be integers in [0, {vocab})")
+        return torch.tensor(ids, dtype=torch.long)
 
     def encode(self, prompt: Prompt, chat: bool) -> torch.Tensor:
         """A prompt string (chat template applied when the tokenizer has one and chat is on) or

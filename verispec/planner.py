@@ -51,7 +51,8 @@ class RoundPlanner:
     def plan(self, requests: Sequence[Request]) -> RoundPlan:
         rows = len(requests)
         greedy_trees = rows <= self.config.tree_max_batch
-        if self.drafter is None or not rows:
+        if not rows or (self.drafter is None and
+                        all(r.prediction is None for r in requests)):
             return RoundPlan(tuple(RowPlan(0, 0, 1, None) for _ in requests), greedy_trees, None)
         widths = [tree_width_of(self.drafter, r.params) if greedy_trees or not r.params.greedy
                   else 1 for r in requests]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.drafters.base import Draft, Drafter
+from verispec.drafters.prediction import PredictionLookup
 from verispec.params import SamplingParams
 from verispec.policy import KPolicy
 from verispec.runtime import Runner
@@ -48,6 +49,7 @@ class Request:
     generated: int = 0
     finished: bool = False
     prompt_fed: int = 0  # prompt tokens in its target cache (a long prompt is fed in chunks)
+    prediction: PredictionLookup | None = None  # Predicted Outputs: a lookup over it
     runner: Runner | None = None  # set while it runs: its target KV cache
     drafter: Drafter | None = None  # set while it runs, where the decoder has a drafter
 

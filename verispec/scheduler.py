@@ -33,14 +33,21 @@ import torch
 
 from verispec.drafters.base import Draft, Drafter, empty_draft, follow_target
 from verispec.drafters.batch import propose_batch
+from verispec.drafters.prediction import PredictionLookup, is_prediction
 from verispec.params import SamplingParams
 from verispec.planner import RoundPlanner
 from verispec.request import Request, Round
 from verispec.runtime import Runner, batched_logits, common_prefix
-from verispec.sampling import greedy_tokens, make_generator, warp
+from verispec.sampling import make_generator, warp
 from verispec.stats import StatsRecorder
 from verispec.text import TextStream
-from verispec.verify import greedy_verify_tree, rejection_sample, rejection_sample_tree
+from verispec.verify import (
+    RowVerification,
+    greedy_verify_tree,
+    invariant_verify_tree,
+    rejection_sample_tree,
+    verify_rows,
+)
 
 log = logging.getLogger("verispec")
 
@@ -88,24 +95,35 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, prompt, params: SamplingParams | None = None, chat: bool | None = None) -> int:
-        """Queue a request; bad input raises here. Returns its id."""
+    def add(self, prompt, params: SamplingParams | None = None, chat: bool | None = None,
+            prediction: str | list[int] | None = None) -> int:
+        """Queue a request; bad input raises here. Returns its id. prediction: what the
+        output is expected to be, mostly (Predicted Outputs: a draft source)."""
         params = params or SamplingParams()
         prompt_ids = self.decoder.encode(prompt, self.decoder.chat if chat is None else chat)
-        return self.add_ids(prompt_ids, params)
+        prediction_ids = None if prediction is None else self.decoder.encode_prediction(
+            prediction)
+        return self.add_ids(prompt_ids, params, prediction_ids)
 
-    def add_ids(self, prompt_ids: torch.Tensor, params: SamplingParams) -> int:
-        """Queue a request already tokenised (`decoder.encode`); returns its id."""
+    def add_ids(self, prompt_ids: torch.Tensor, params: SamplingParams,
+                prediction_ids: torch.Tensor | None = None) -> int:
+        """Queue a request already tokenised (`decoder.encode`, `decoder.encode_prediction`);
+        returns its id."""
         decoder = self.decoder
         if params.stop and decoder.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         request = Request(
             request_id=next(self._ids), prompt_ids=prompt_ids, params=params,
-            policy=decoder.new_policy(params),
+            policy=decoder.new_policy(params, predicted=prediction_ids is not None),
             generator=make_generator(params.seed, decoder.target.device),
-            stats=StatsRecorder(k=decoder.k), text=TextStream(decoder.tokenizer, params.stop),
+            stats=StatsRecorder(k=decoder.k,
+                                verify="greedy" if params.greedy else params.verify),
+            text=TextStream(decoder.tokenizer, params.stop),
             budget=min(params.max_new_tokens,
                        decoder.target.max_positions - int(prompt_ids.numel())))
+        if prediction_ids is not None and prediction_ids.numel():
+            request.prediction = PredictionLookup(int(prompt_ids.numel()), prediction_ids)
+            request.stats.prediction_tokens = int(prediction_ids.numel())
         self.waiting.append(request)
         return request.request_id
 
@@ -159,14 +177,19 @@ class Scheduler:
     def _round(self, prefilling: list[Request], decoding: list[Request]) -> list[Verified]:
         # 1. Plan: how much every decoding row drafts and verifies.
         plan = self.planner.plan(decoding)
-        # 2. Draft: draft models (in lockstep passes) up to the round's K, lookups up to theirs.
+        keeps = [self.planner.lookup_keep(r, row) for r, row in zip(decoding, plan.rows,
+                                                                     strict=True)]
+        # 2. Draft: a row's prediction first (a row it proposes for drafts nothing else), then
+        #    draft models (in lockstep passes) up to the round's K, lookups up to theirs.
+        predicted = [_predict(r, row.free_k, keep)
+                     for r, row, keep in zip(decoding, plan.rows, keeps, strict=True)]
         drafts = propose_batch(
             [r.drafter for r in decoding], [r.history for r in decoding],
-            [row.k for row in plan.rows], [r.params for r in decoding],
-            [r.generator for r in decoding], [row.free_k for row in plan.rows],
-            [self.planner.lookup_keep(r, row) for r, row in zip(decoding, plan.rows,
-                                                                 strict=True)],
-            greedy_trees=plan.greedy_trees)
+            [0 if len(p) else row.k for p, row in zip(predicted, plan.rows, strict=True)],
+            [r.params for r in decoding], [r.generator for r in decoding],
+            [0 if len(p) else row.free_k for p, row in zip(predicted, plan.rows, strict=True)],
+            keeps, greedy_trees=plan.greedy_trees)
+        drafts = [p if len(p) else d for p, d in zip(predicted, drafts, strict=True)]
         drafts = self.planner.keep(decoding, drafts, plan)
         rounds = [Round(d, torch.cat([r.history, d.tokens]), len(d) + 1)
                   for r, d in zip(decoding, drafts, strict=True)]
@@ -185,6 +208,7 @@ class Scheduler:
     def _prefill_round(self, request: Request) -> Round:
         """The prompt's next chunk, fed for its keys and values alone (its logits unused)."""
         request.prompt_fed += self.config.prefill_chunk
+        request.stats.record_prefill()
         return Round(empty_draft(), request.history[: request.prompt_fed], 1)
 
     def _retry_alone(self, running: list[Request], snapshot: list[torch.Tensor | None]
@@ -252,6 +276,14 @@ class Scheduler:
         return Event(request.request_id, "", [], error=error)
 
 
+def _predict(request: Request, k: int, keep) -> Draft:
+    """The row's prediction's proposal, where it has one worth verifying."""
+    if request.prediction is None:
+        return empty_draft()
+    draft = request.prediction.propose(request.history, k)
+    return draft if len(draft) and keep(draft) > 0 else empty_draft()
+
+
 def _generator_state(request: Request) -> torch.Tensor | None:
     """A row's generator position before a round, to replay its draws if the round fails.
     (Its policy may have priced a tree it will not verify: that moves no output, only a
@@ -262,51 +294,65 @@ def _generator_state(request: Request) -> torch.Tensor | None:
 def verify_round(requests: list[Request], rounds: list[Round], logits: list[torch.Tensor]
                  ) -> list[Verified]:
     """Verify every row of a round against its target logits [K'+1, V]; record what each
-    policy learns. Greedy chains are verified together (one argmax, one host sync); sampled
-    rows each with their own generator, so their draws do not depend on the other rows."""
+    policy learns. Chains go through one ragged call (`verify.verify_rows`: one host sync),
+    each row by its own method (greedy argmax matching, or its params' verify: block, token,
+    invariant) and its own generator, so its draws do not depend on the other rows; trees
+    row by row."""
     verified: list[Verified | None] = [None] * len(requests)
-    # 1. Greedy chains: the target's argmax at every position of every row at once.
-    chains = [i for i, (r, rd) in enumerate(zip(requests, rounds, strict=True))
-              if r.params.greedy and rd.draft.parents is None]
+    # 1. Chains, flattened with offsets: draft tokens [T], target rows [T + B, V].
+    chains = [i for i, rd in enumerate(rounds) if rd.draft.parents is None]
     if chains:
-        choice = greedy_tokens(torch.cat([logits[i] for i in chains])).tolist()  # [T]
-        offset = 0
+        offsets, targets, drafts, probs, rows = [0], [], [], [], []
+        with_probs = any(rounds[i].draft.probs is not None and not requests[i].params.greedy
+                         for i in chains)
         for i in chains:
-            drafted = rounds[i].draft.tokens.tolist()
-            row_choice = choice[offset: offset + len(drafted) + 1]
-            offset += len(drafted) + 1
-            accepted = next((j for j, (d, c) in enumerate(zip(drafted, row_choice))
-                             if d != c), len(drafted))
-            verified[i] = Verified(row_choice[: accepted + 1], accepted, len(drafted))
-    # 2. Trees and sampled chains, row by row.
+            request, draft = requests[i], rounds[i].draft
+            params = request.params
+            offsets.append(offsets[-1] + len(draft))
+            drafts.append(draft.tokens)
+            targets.append(logits[i] if params.greedy else warp(logits[i], params))
+            has_probs = draft.probs is not None and not params.greedy
+            if with_probs:  # rows without (lookups, greedy rows) are ignored: zeros stand in
+                probs.append(draft.probs if has_probs else
+                             logits[i].new_zeros(len(draft), logits[i].shape[-1]))
+            rows.append(RowVerification(
+                "greedy" if params.greedy else params.verify, request.generator, params.seed,
+                request.context, has_probs))
+        tokens, accepted = verify_rows(torch.cat(drafts), offsets,
+                                       torch.cat(probs) if with_probs else None,
+                                       torch.cat(targets), rows)
+        for i, row_tokens, row_accepted in zip(chains, tokens, accepted, strict=True):
+            verified[i] = Verified(row_tokens, row_accepted, len(rounds[i].draft))
+    # 2. Trees, row by row.
     for i, (request, round, row_logits) in enumerate(zip(requests, rounds, logits,
                                                          strict=True)):
         if verified[i] is None:
-            verified[i] = _verify_row(request, round.draft, row_logits)
+            verified[i] = _verify_tree(request, round.draft, row_logits)
     # 3. Bookkeeping (a tree counts as a chain of its depth: acceptance per position).
     for request, round, result in zip(requests, rounds, verified, strict=True):
         draft = round.draft
         if draft.scores is not None:
             request.policy.update_tree(float(draft.scores.exp().sum()), result.accepted)
         request.policy.update(draft.source, draft.depth, result.accepted)
+        if is_prediction(draft.source):
+            request.stats.accepted_prediction_tokens += result.accepted
     return verified
 
 
-def _verify_row(request: Request, draft: Draft, target_logits: torch.Tensor) -> Verified:
-    """One row's verification: target_logits [K'+1, V]."""
-    params, generator = request.params, request.generator
-    if draft.parents is not None and params.greedy:
+def _verify_tree(request: Request, draft: Draft, target_logits: torch.Tensor) -> Verified:
+    """One row's token tree: target_logits [K'+1, V]. Greedy rows follow the target's argmax;
+    invariant rows its position-keyed draws; other sampled rows keep the multi-candidate rule
+    (recursive rejection sampling over siblings)."""
+    params = request.params
+    if params.greedy:
         tokens, path = greedy_verify_tree(draft.tokens, draft.parents, target_logits)
-        return Verified(tokens, len(path), draft.depth)
-    if draft.parents is not None:
+    elif params.verify == "invariant":
+        tokens, path = invariant_verify_tree(draft.tokens, draft.parents,
+                                             warp(target_logits, params), params.seed,
+                                             request.context)
+    else:
         if draft.probs is None:
             raise ValueError("a sampled token tree needs the draft's probabilities")
         tokens, path = rejection_sample_tree(draft.tokens, draft.parents, draft.probs,
-                                             warp(target_logits, params), generator)
-        return Verified(tokens, len(path), draft.depth)
-    draft_probs = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, K', V]
-    tokens, num_accepted = rejection_sample(
-        draft.tokens.unsqueeze(0).to(target_logits.device), draft_probs,
-        warp(target_logits.unsqueeze(0), params), generator)  # [1, K'+1], [1]
-    accepted = int(num_accepted[0])
-    return Verified(tokens[0, : accepted + 1].tolist(), accepted, len(draft))
+                                             warp(target_logits, params), request.generator)
+    return Verified(tokens, len(path), draft.depth)

@@ -34,9 +34,18 @@ class GenerationStats:
     ttft_s: float
     wall_s: float
     tokens_per_s: float
+    verify: str = "greedy"  # what verified the drafts: greedy, block, token or invariant
+    # Predicted Outputs: the prediction's length, and how many of its tokens were accepted as
+    # drafts (the rest: rejected_prediction_tokens, as OpenAI counts them)
+    prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        return self.prediction_tokens - self.accepted_prediction_tokens
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "rejected_prediction_tokens": self.rejected_prediction_tokens}
 
 
 @dataclass(slots=True)
@@ -44,6 +53,9 @@ class StatsRecorder:
     """Accumulates per-round counts during a generation."""
 
     k: int | str
+    verify: str = "greedy"
+    prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     new_tokens: int = 0
@@ -68,6 +80,10 @@ class StatsRecorder:
         for position in range(num_checked):
             self.position_checked[position] += 1
             self.position_accepted[position] += int(position < num_accepted)
+
+    def record_prefill(self) -> None:
+        """A target pass that fed a chunk of a long prompt (no tokens verified)."""
+        self.target_forwards += 1
 
     def finish(self) -> GenerationStats:
         wall_s = time.perf_counter() - self.started
@@ -96,4 +112,8 @@ class StatsRecorder:
             ttft_s=(self.first_token_at or time.perf_counter()) - self.started,
             wall_s=wall_s,
             tokens_per_s=self.new_tokens / wall_s if wall_s > 0 else 0.0,
+            verify=self.verify,
+            prediction_tokens=self.prediction_tokens,
+            accepted_prediction_tokens=min(self.accepted_prediction_tokens,
+                                           self.prediction_tokens),
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from verispec.policy import DEFAULT_TREE_WIDTH, check_tree_width, parse_k
+from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
+from verispec.params import VERIFY_METHODS
+from verispec.policy import parse_k
 
 VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid")
 HF_METHODS = ("hf-baseline", "hf-assisted", "hf-ngram")
@@ -23,6 +25,8 @@ class BenchConfig:
     temperature: float = 0.0
     methods: tuple[str, ...] = DEFAULT_METHODS
     ks: tuple[int | str, ...] = ("auto",)  # several: every speculative verispec method runs each
+    # How sampled drafts are verified; several: every speculative verispec method runs each
+    verifies: tuple[str, ...] = ("block",)
     target: str | None = None
     draft: str | None = "default"  # for `draft`, `hf-assisted`: a path, or the shipped one
     dtype: str = "auto"  # verispec's runners (see make_runner); hf-* run float32 under auto
@@ -50,6 +54,9 @@ class BenchConfig:
         if not self.methods:
             raise ValueError("no methods to run")
         object.__setattr__(self, "ks", tuple(parse_k(k) for k in self.ks))
+        bad = [v for v in self.verifies if v not in VERIFY_METHODS]
+        if bad or not self.verifies:
+            raise ValueError(f"verify must be among {', '.join(VERIFY_METHODS)}, got {bad or '()'}")
         if not self.ks:
             raise ValueError("no K to run")
         if self.per_category < 1 or (self.limit is not None and self.limit < 1):

@@ -8,6 +8,7 @@ peers' real code.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,12 +37,17 @@ class MethodRun:
 class VerispecMethod:
     runtime = "verispec"
 
-    def __init__(self, name: str, decoder: SpeculativeDecoder) -> None:
+    def __init__(self, name: str, decoder: SpeculativeDecoder, verify: str | None = None
+                 ) -> None:
+        """verify: the verification procedure its sampled rows use (None: the params')."""
         self.name = name
         self.decoder = decoder
+        self.verify = verify
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
         self.decoder.reset()  # every method pays its own prompt pass
+        if self.verify is not None:
+            params = dataclasses.replace(params, verify=self.verify)
         out = self.decoder.generate(prompt_ids, params)
         stats = out.stats
         return MethodRun(out.token_ids, stats.wall_s, stats.target_forwards, stats.accepted,

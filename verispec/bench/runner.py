@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import platform
@@ -13,12 +14,12 @@ import transformers
 from tqdm import tqdm
 
 from verispec import loading
+from verispec.bench import llamacpp
 from verispec.bench.batch import run_batch_bench, write_batch_outputs
 from verispec.bench.config import BenchConfig
 from verispec.bench.interleave import rotated
 from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
-from verispec.bench import llamacpp
 from verispec.bench.report import REFERENCE, summarise, write_outputs
 from verispec.decoder import SpeculativeDecoder
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
@@ -139,11 +140,13 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
             notes.append(f"{name} skipped: no draft model given (--draft PATH), and none is "
                          "shipped for this target")
             continue
-        if name == "baseline":
-            methods.append(VerispecMethod(name, SpeculativeDecoder(
-                model, tokenizer, None, runtime=runners.target)))
+        if name == "baseline":  # (invariant sampling draws its own way: a baseline of its own)
+            for verify in ["block"] + [v for v in config.verifies if v == "invariant"]:
+                methods.append(VerispecMethod(
+                    name if verify == "block" else f"{name}[invariant]",
+                    SpeculativeDecoder(model, tokenizer, None, runtime=runners.target), verify))
         elif name in ("ngram", "draft", "hybrid"):
-            for k in config.ks:
+            for k, verify in itertools.product(config.ks, config.verifies):
                 if name == "ngram":
                     drafter = NgramDrafter()
                 elif runners.feature_drafter is not None:
@@ -153,8 +156,10 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                 if name == "hybrid":
                     drafter = HybridDrafter(drafter)
                 label = name if len(config.ks) == 1 else f"{name}[k={k}]"
+                if len(config.verifies) > 1:
+                    label += f"[{verify}]"
                 methods.append(VerispecMethod(label, SpeculativeDecoder(
-                    model, tokenizer, drafter, k=k, runtime=runners.target)))
+                    model, tokenizer, drafter, k=k, runtime=runners.target), verify))
         elif name == "hf-baseline":
             methods.append(HFMethod(name, model, eos_ids))
         elif name == "hf-ngram":

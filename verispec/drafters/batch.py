@@ -24,8 +24,9 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
     its free_ks tokens: a lookup costs nothing, so it may propose more than the draft model's
     priced K) and joins the draft-model (or feature) rows, up to ks tokens, when nothing
     matches, or when its row would verify none of the lookup's tokens (lookup_keeps: how many
-    of a lookup's tokens the row verifies, by its kind of match). free_ks defaults to ks. A row with no drafter or a budget
-    of 0 drafts nothing. greedy_trees=False: feature drafts propose chains for greedy rows."""
+    of a lookup's tokens the row verifies, by its kind of match). free_ks defaults to ks. A
+    row with no drafter or a budget of 0 drafts nothing. greedy_trees=False: feature drafts
+    propose chains for greedy rows."""
     free_ks = ks if free_ks is None else free_ks
     drafts: list[Draft] = [empty_draft() for _ in drafters]
     model_rows: list[tuple[int, ModelDrafter]] = []

@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 from verispec.drafters.base import Draft, empty_draft
 from verispec.params import SamplingParams
 from verispec.runtime import HFRunner, Runner, batched_logits
-from verispec.sampling import greedy_tokens, sample, warp
+from verispec.sampling import draw, greedy_tokens, warp
 
 
 class ModelDrafter:
@@ -90,7 +90,8 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
                 token = greedy_tokens(row_logits).cpu()  # [1]
             else:
                 draft_probs = warp(row_logits, params[i])  # [1, V]
-                token = sample(draft_probs, generators[i]).cpu()
+                token = draw(draft_probs, params[i], generators[i],
+                             int(sequences[i].numel())).cpu()
                 probs[i].append(draft_probs[0])
             tokens[i].append(token)
             sequences[i] = torch.cat([sequences[i], token])

@@ -41,6 +41,15 @@ class NgramDrafter:
     ) -> Draft:
         if k <= 0:
             return empty_draft()
+        best, best_n = self.match(history)
+        if best_n == 0:
+            return empty_draft()
+        return Draft(history[best + 1:best + 1 + k].clone(), None, source=best_n)
+
+    def match(self, history: torch.Tensor) -> tuple[int, int]:
+        """(end, n): the last n tokens of history [L] also end at index `end` < L - 1, the
+        most recent such occurrence of the longest n within [min_ngram, max_ngram]; (-1, 0)
+        where nothing matches. What followed it, history[end + 1:], is the proposal."""
         tokens = history.cpu().numpy()  # [L]
         length = int(tokens.size)
         # Ends j <= L-2 of earlier occurrences of the last n tokens, for n = 1, 2, ...: each n
@@ -56,6 +65,4 @@ class NgramDrafter:
                 break
             if n >= self.min_ngram:
                 best, best_n = int(ends[-1]), n  # the most recent occurrence
-        if best_n == 0:
-            return empty_draft()
-        return Draft(history[best + 1:best + 1 + k].clone(), None, source=best_n)
+        return best, best_n
