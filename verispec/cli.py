@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from verispec.bench.config import ALL_METHODS, DEFAULT_METHODS
+from verispec.config import DEFAULT_TREE_WIDTH
 from verispec.errors import VerispecError
-from verispec.policy import DEFAULT_TREE_WIDTH
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--verify", default="block", choices=["block", "token", "invariant"],
+                     help="how sampled drafts are verified: block (default; the target's law, "
+                          "never fewer accepted tokens than token), token (token-wise "
+                          "rejection sampling), invariant (plain sampling's very tokens for "
+                          "a --seed, whatever the draft)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, stats} on stdout")
@@ -57,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(bench)
     add_tree_arg(bench)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--verify", default="block",
+                       help="comma-separated verification procedures (block, token, "
+                            "invariant): every speculative method runs each")
     bench.add_argument("--stop-at-eos", action="store_true",
                        help="stop at EOS instead of generating exactly --max-new-tokens")
     bench.add_argument("--hf-ngram-tokens", type=int, default=10,
@@ -117,6 +125,9 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): bfloat16 on the native CPU runtime, else float32")
     parser.add_argument("--int8", action="store_true",
                         help="weight-only int8 linear layers (native runtime)")
+    parser.add_argument("--dequantize", default=None, choices=["bf16"],
+                        help="a quantized GGUF target: bf16 dequantises it through transformers "
+                             "(bfloat16 weights); default: its own formats under --dtype auto")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -125,11 +136,11 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
-        stop=tuple(args.stop))
+        stop=tuple(args.stop), verify=args.verify)
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width)
+        sampled_tree_width=args.sampled_tree_width, dequantize=args.dequantize)
     if args.json:
         output = decoder.generate(args.prompt, params)
         json.dump({"text": output.text, "token_ids": output.token_ids,
@@ -158,6 +169,7 @@ def run_bench(args: argparse.Namespace) -> int:
         limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         ks=tuple(k.strip() for k in args.k.split(",") if k.strip()), target=args.target,
+        verifies=tuple(v.strip() for v in args.verify.split(",") if v.strip()),
         draft=args.draft, dtype=args.dtype, runtime=args.runtime, int8=args.int8,
         seed=args.seed, ignore_eos=not args.stop_at_eos,
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
@@ -181,12 +193,13 @@ def parse_sizes(text: str | None) -> tuple[int, ...]:
 
 def run_costs(args: argparse.Namespace) -> int:
     from verispec import loading
+    from verispec.costs import measure_costs
     from verispec.drafters.base import follow_target
     from verispec.drafters.load import load_drafter
-    from verispec.policy import measure_costs
     from verispec.runtime import make_runner
 
-    model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device)
+    model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device,
+                                    dequantize=args.dequantize)
     drafter = load_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
                            runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
                            sampled_tree_width=args.sampled_tree_width)
@@ -259,7 +272,7 @@ def run_serve(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width)
+        sampled_tree_width=args.sampled_tree_width, dequantize=args.dequantize)
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
           port=args.port, config=config)
     return 0

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from verispec.config import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
 from verispec.drafters.base import Draft, empty_draft
 from verispec.drafters.model import fit_vocab
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
-from verispec.policy import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
 from verispec.runtime import Runner, common_prefix
 from verispec.runtime.native import NativeRunner
 from verispec.runtime.native.llama import (
@@ -36,7 +36,7 @@ from verispec.runtime.native.llama import (
     RowPass,
     TreeLinks,
 )
-from verispec.sampling import greedy_tokens, sample, sample_distinct, warp
+from verispec.sampling import draw, greedy_tokens, sample_distinct, warp
 
 
 class FeatureDrafter:
@@ -175,7 +175,8 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
                 row_logits = fit_vocab(head_logits, drafters[i].vocab_size,
                                        drafters[i].head_token_ids)  # [1, V]
                 draft_probs = warp(row_logits, params[i])  # [1, V]
-                token = sample(draft_probs, generators[i]).cpu()
+                token = draw(draft_probs, params[i], generators[i],
+                             int(histories[i].numel()) + step).cpu()
                 probs[i].append(draft_probs[0])
             tokens[i].append(token)
         # 4. Rows that want more read (their predicted feature, the token) in one pass.
