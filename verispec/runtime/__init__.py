@@ -19,10 +19,12 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from verispec.quant.model import GGUFModel
 from verispec.runtime.base import DTYPES, PrefixRunner, Runner, common_prefix
 from verispec.runtime.hf import HFRunner
 from verispec.runtime.native import NativeLlama, NativeRunner, UnsupportedModelError
 from verispec.runtime.native import batched_logits as native_batched_logits
+from verispec.runtime.native.gguf_model import gguf_runner
 
 log = logging.getLogger("verispec")
 
@@ -62,6 +64,8 @@ def make_runner(model: PreTrainedModel, runtime: str = "auto", dtype: str = "aut
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    if isinstance(model, GGUFModel):  # a quantized GGUF at its own bit width
+        return gguf_runner(model, runtime, dtype, int8)
     if runtime == "hf":
         if int8:
             raise ValueError("int8 weights need the native runtime (--runtime native or auto)")
