@@ -195,8 +195,6 @@ struct Avx2Kernel {
     switch (rows) {  // a fixed count lets the compiler keep a tile's sums in registers
       case 1: return tile<T, 1>(row, K, x, r0, rows, out, ldy);
       case 2: return tile<T, 2>(row, K, x, r0, rows, out, ldy);
-      case 3: return tile<T, 3>(row, K, x, r0, rows, out, ldy);
-      case 4: return tile<T, 4>(row, K, x, r0, rows, out, ldy);
       default: return tile<T, 0>(row, K, x, r0, rows, out, ldy);
     }
   }
@@ -212,11 +210,12 @@ struct Avx2Kernel {
     for (int64_t t = 0; t < rows; t++)
       acc0[t] = acc1[t] = min0[t] = min1[t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    alignas(32) float scales[8];
+    alignas(32) float scales[8];  // the group's block scales, read as broadcasts (loads)
     for (int64_t g = 0; g < groups; g++) {
       // 1. decode the group once for all rows
       GroupVectors v;
       group_vectors<T>(row, g, nblocks, v);
+      _mm256_store_ps(scales, v.scale);
       __m256i codes[GROUP], magnitudes[GROUP];
       decode_codes<T>(row, g, int(nblocks - g * GROUP), codes);
       if constexpr (Traits<T>::kSigned)
@@ -224,9 +223,7 @@ struct Avx2Kernel {
       // 2. each row's products over it
       for (int64_t t = 0; t < rows; t++) {
         const int8_t* q = x.row_codes(r0 + t) + g * QK_K;
-        // scale_j * d_x[j], read back lane by lane as broadcasts (a load, not a shuffle)
-        _mm256_store_ps(scales, _mm256_mul_ps(v.scale,
-                                              _mm256_loadu_ps(x.row_scales(r0 + t) + g * GROUP)));
+        const float* dx = x.row_scales(r0 + t) + g * GROUP;
         __m256 a0 = acc0[t], a1 = acc1[t];
 #pragma GCC unroll 8
         for (int j = 0; j < GROUP; j++) {
@@ -237,7 +234,8 @@ struct Avx2Kernel {
                   : _mm256_maddubs_epi16(codes[j], xq);
           const __m256 lanes = _mm256_cvtepi32_ps(
               _mm256_madd_epi16(pairs, Traits<T>::kSubScales ? v.sub[j] : ones));
-          const __m256 s = _mm256_broadcast_ss(scales + j);
+          const __m256 s = _mm256_mul_ps(_mm256_broadcast_ss(scales + j),
+                                         _mm256_broadcast_ss(dx + j));
           if (j % 2 == 0)
             a0 = _mm256_fmadd_ps(lanes, s, a0);
           else
