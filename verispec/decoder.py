@@ -160,13 +160,16 @@ class SpeculativeDecoder:
         weight-only int8 layers (native runtime; bfloat16 activations). tree_width: greedy
         rows of a feature draft propose token trees this wide (1: chains); sampled_tree_width:
         sampled rows (default 1: chains; docs/token-trees.md). config: the decode loop's knobs.
-        dequantize: None (a quantized GGUF target runs at its own bit width under dtype "auto")
-        or "bf16" (transformers dequantises it; the native runtime keeps bfloat16)."""
+        dequantize: None (a quantized GGUF target runs at its own bit width under dtype "auto",
+        except on runtime "hf" or with int8) or "bf16" (transformers dequantises it; the native
+        runtime keeps bfloat16)."""
         k = parse_k(k)
         check_tree_width(tree_width)
         check_tree_width(sampled_tree_width)
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        if dequantize is None and (runtime == "hf" or int8):  # these run on dense weights
+            dequantize = "bf16"
         model, tokenizer = loading.load(target, dtype=dtype, device=device,
                                         dequantize=dequantize)
         drafter = load_drafter(draft, model, tokenizer, dtype=dtype, device=device,
