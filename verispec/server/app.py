@@ -247,10 +247,13 @@ def add_error_handlers(app: FastAPI) -> None:
         if errors[0].get("type") == "json_invalid":
             message = f"invalid JSON body: {errors[0].get('ctx', {}).get('error', '')}"
             return await api_error(request, APIError(400, message))
-        # loc: ("body", field, ...); a union reports one error per member it tried
-        paths = [".".join(str(part) for part in e["loc"][1:]) for e in errors]
-        message = "; ".join(f"{path}: {e['msg']}" if path else e["msg"]
-                            for path, e in zip(paths[:3], errors, strict=False))
+        # loc: ("body", field, ...); a union reports one error per member it tried, under a
+        # part naming the member ("str", "list[int]", "function-after[unicode_only(), str]")
+        paths = [".".join(str(part) for part in e["loc"][1:] if not _names_a_type(part))
+                 for e in errors]
+        texts = [e["msg"].removeprefix("Value error, ") for e in errors]
+        message = "; ".join(f"{path}: {text}" if path else text
+                            for path, text in zip(paths[:3], texts, strict=False))
         param = str(errors[0]["loc"][1]) if len(errors[0]["loc"]) > 1 else None
         return await api_error(request, APIError(400, message, param=param))
 
@@ -259,6 +262,10 @@ def add_error_handlers(app: FastAPI) -> None:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         return await api_error(request, APIError(err.status_code, str(err.detail), type=kind))
 
+
+
+def _names_a_type(part) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
 def default_model_name(target) -> str:

@@ -20,6 +20,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
+from tokenizers import decoders
 
 from verispec.params import SamplingParams
 from verispec.server.protocol import APIError
@@ -115,9 +116,15 @@ class Prompts:
 
 
 def longest_token_bytes(tokenizer) -> int:
-    """The most UTF-8 bytes of text one token can stand for (0 without a tokenizer): an upper
-    bound, as a vocabulary entry is spelled at least as long as the text it covers (byte-level
-    BPE spells each byte as one character of at most 2 bytes)."""
+    """The most UTF-8 bytes of text one token can stand for (0 without a tokenizer), from the
+    vocabulary's spellings: exact for byte-level BPE, whose alphabet spells each byte as one
+    character (SmolLM2: 81, a newline and 80 spaces), else an upper bound (a spelling is at least
+    as long in UTF-8 as the text it covers: "▁the", "<0x0A>")."""
     if tokenizer is None:
         return 0
-    return max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
+    vocab, added = tokenizer.get_vocab(), set(tokenizer.get_added_vocab())
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if not isinstance(decoder, decoders.ByteLevel):
+        return max(len(token.encode("utf-8", "replace")) for token in vocab)
+    return max(len(token.encode("utf-8", "replace")) if token in added else len(token)
+               for token in vocab)
