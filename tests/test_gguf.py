@@ -85,6 +85,9 @@ def write_tiny_gguf(path, architecture: str = "llama", seed: int = 0,
             add(f"blk.{layer}.{role}.weight", (widths[role], inputs), qtype)
         for norm in ("attn_norm", "ffn_norm"):  # near one, as trained norms are
             add(f"blk.{layer}.{norm}.weight", (HIDDEN,), Q.F32, 0.1, 1.0)
+        if architecture == "qwen2":  # q/k/v biases
+            for role in ("attn_q", "attn_k", "attn_v"):
+                add(f"blk.{layer}.{role}.bias", (widths[role],), Q.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -207,12 +210,21 @@ def test_qk_order_undoes_interleaved_rotary_pairs():
     assert qk_order("qwen2", 2, 4) is None
 
 
-def test_qwen2_file_reads_its_biases(tmp_path):
+def test_qwen2_file_with_biases_matches_transformers(tmp_path, products):
+    from transformers import AutoModelForCausalLM
+
     path = tmp_path / "qwen.gguf"
-    write_tiny_gguf(path, architecture="qwen2")
+    write_tiny_gguf(path, architecture="qwen2", seed=3)
     model = GGUFModel(read(path))
-    assert model.config.model_type == "qwen2" and not model.config.attention_bias
-    assert not model.config.tie_word_embeddings
+    assert model.config.model_type == "qwen2" and model.config.attention_bias
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    ids = torch.tensor([7, 1, 1, 50, 22, 90])
+    got = gguf_runner(model).logits(ids, len(ids))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+    tolerance = 1e-4 if products == "fallback" else 0.1
+    assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item()
 
 
 def test_position_logits_do_not_depend_on_the_pass(tiny_file, products):

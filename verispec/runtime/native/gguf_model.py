@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from gguf.quants import dequantize as gguf_dequantize
 
 from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix, kernels
 from verispec.quant.model import GGUFModel, qk_order
@@ -43,7 +44,12 @@ def native_from_gguf(model: GGUFModel) -> NativeLlama:
     k_order = qk_order(file.architecture, shape.num_kv_heads, shape.head_dim)
 
     def vector(name: str) -> torch.Tensor:
-        return file.tensor(name).data.float()  # F32 tensors: a view, no copy
+        tensor = file.tensor(name)
+        if tensor.quantized:  # never seen in practice: norms and biases are F32
+            log.info("%s: a %s vector, dequantised at load", name, tensor.qtype.name)
+            values = gguf_dequantize(tensor.data.numpy(), tensor.qtype)
+            return torch.from_numpy(values).reshape(tensor.shape)
+        return tensor.data.float()  # F32 tensors: a view, no copy
 
     def linear(name: str, order: torch.Tensor | None = None) -> QuantLinear:
         bias = f"{name}.bias" if shape.attention_bias and name.endswith(
