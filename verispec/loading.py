@@ -153,13 +153,17 @@ def gguf_tokenizer(file: gguf.GGUFFile):
         log.warning("the tokenizer in %s failed to convert (%s): prompts must be token ids",
                     file.path.name, err)
         return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    staging = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
         tokenizer.save_pretrained(staging)
         staging.rename(target)  # atomic: a half-written cache is never seen
-    except OSError:  # another process cached it first, or the cache is not writable
-        shutil.rmtree(staging, ignore_errors=True)
+    except OSError as err:  # another process cached it first, or the cache is not writable
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "tokenizer_config.json").is_file():
+            log.warning("could not cache the tokenizer in %s (%s)", target, err)
     return tokenizer
 
 
