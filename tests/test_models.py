@@ -209,6 +209,26 @@ def test_default_draft_of_a_registry_target(fake, index, quick_pip):
     assert loading.default_draft("fake-draft") is None
 
 
+def test_default_draft_reaches_the_drafter_as_the_hybrid(fake, index, quick_pip, monkeypatch):
+    """draft="default" on a registry target loads its default draft (paired with n-gram
+    lookup); while that draft is missing, the error names the pull."""
+    from verispec.drafters.load import load_drafter
+
+    with pytest.raises(ModelNotFoundError, match="`verispec pull fake-draft`"):
+        load_drafter("default", None, None, target_spec="fake-model")
+    draft = models.pull("fake-draft", local(index))
+    asked = []
+
+    def stop_at_load(spec, **kwargs):
+        asked.append(str(spec))
+        raise RuntimeError("stop before building a model")
+
+    monkeypatch.setattr(loading, "load", stop_at_load)
+    with pytest.raises(RuntimeError, match="stop before"):
+        load_drafter("default", None, None, target_spec="fake-model")
+    assert asked == [str(draft)]
+
+
 def test_from_pretrained_names_the_pull_command(fake):
     from verispec import SpeculativeDecoder
 
