@@ -165,7 +165,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from verispec.bench import run_bench as bench
 
     config = BenchConfig(
-        prompts=Path(args.prompts) if args.prompts else None, per_category=args.per_category,
+        prompts=args.prompts or None, per_category=args.per_category,
         limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         ks=tuple(k.strip() for k in args.k.split(",") if k.strip()), target=args.target,

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec.bench.prompts import prompts_path
 from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
 from verispec.params import VERIFY_METHODS
 from verispec.policy import parse_k
 
-VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid")
+# "predicted": plain decoding with each prompt's prediction as its draft (Predicted Outputs;
+# prompt sets with predictions, e.g. --prompts edits)
+VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid", "predicted")
 HF_METHODS = ("hf-baseline", "hf-assisted", "hf-ngram")
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-draft")  # llama.cpp's binaries (bench/llamacpp.py)
 ALL_METHODS = VERISPEC_METHODS + HF_METHODS + LLAMA_CPP_METHODS
@@ -71,5 +74,7 @@ class BenchConfig:
             raise ValueError(f"batch_queue must be an integer >= 1, got {self.batch_queue}")
         if self.batch_sizes and "baseline" not in self.methods:
             raise ValueError("the batched benchmark needs the baseline method")
+        if self.prompts is not None:
+            object.__setattr__(self, "prompts", prompts_path(self.prompts))
         if self.prompts is not None and not Path(self.prompts).is_file():
             raise ValueError(f"prompts file not found: {self.prompts}")

@@ -32,27 +32,36 @@ class MethodRun:
     expected_tokens: float | None = None
     mean_k: float | None = None
     decode_tokens_per_s: float | None = None  # a peer's own decode-only rate (llama.cpp's)
+    accepted_prediction: int | None = None  # Predicted Outputs' counts, where a prediction ran
+    rejected_prediction: int | None = None
 
 
 class VerispecMethod:
     runtime = "verispec"
 
-    def __init__(self, name: str, decoder: SpeculativeDecoder, verify: str | None = None
-                 ) -> None:
-        """verify: the verification procedure its sampled rows use (None: the params')."""
+    def __init__(self, name: str, decoder: SpeculativeDecoder, verify: str | None = None,
+                 takes_prediction: bool = False) -> None:
+        """verify: the verification procedure its sampled rows use (None: the params');
+        takes_prediction: the runner hands it each prompt's prediction (Predicted Outputs)."""
         self.name = name
         self.decoder = decoder
         self.verify = verify
+        self.takes_prediction = takes_prediction
 
-    def run(self, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    def run(self, prompt_ids: list[int], params: SamplingParams,
+            prediction: str | None = None) -> MethodRun:
         self.decoder.reset()  # every method pays its own prompt pass
         if self.verify is not None:
             params = dataclasses.replace(params, verify=self.verify)
-        out = self.decoder.generate(prompt_ids, params)
+        out = self.decoder.generate(prompt_ids, params, prediction=prediction)
         stats = out.stats
         return MethodRun(out.token_ids, stats.wall_s, stats.target_forwards, stats.accepted,
                          stats.checked, tuple(stats.per_position_accepted),
-                         tuple(stats.per_position_checked), stats.expected_tokens, stats.mean_k)
+                         tuple(stats.per_position_checked), stats.expected_tokens, stats.mean_k,
+                         accepted_prediction=stats.accepted_prediction_tokens
+                         if prediction is not None else None,
+                         rejected_prediction=stats.rejected_prediction_tokens
+                         if prediction is not None else None)
 
 
 class HFMethod:

@@ -14,6 +14,19 @@ class BenchPrompt:
     question_id: str
     category: str
     text: str  # the user message; the chat template is applied when encoding
+    prediction: str | None = None  # Predicted Outputs: the expected output (edit sets)
+
+
+# Prompt sets shipped with verispec, by name (`verispec bench --prompts code`): code written
+# for the Qwen2.5-Coder pair (functions, fixes, tests, explanations in several languages), and
+# code edits whose prediction is the file being edited.
+BUILTIN_SETS = {name: Path(__file__).parent / "data" / f"{name}.jsonl"
+                for name in ("code", "edits")}
+
+
+def prompts_path(name_or_path: str | Path) -> Path:
+    """A shipped set's name, or a Spec-Bench-format JSONL path."""
+    return BUILTIN_SETS.get(str(name_or_path), Path(name_or_path))
 
 
 def load_jsonl(path: Path, per_category: int, seed: int, limit: int | None = None
@@ -28,8 +41,10 @@ def load_jsonl(path: Path, per_category: int, seed: int, limit: int | None = Non
                 continue
             try:
                 row = json.loads(line)
+                prediction = row.get("prediction")
                 prompt = BenchPrompt(str(row["question_id"]), str(row["category"]),
-                                     str(row["turns"][0]))
+                                     str(row["turns"][0]),
+                                     None if prediction is None else str(prediction))
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
                 raise ValueError(f"{path}:{line_number}: not a Spec-Bench question ({err})"
                                  ) from None

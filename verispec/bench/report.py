@@ -73,6 +73,10 @@ def metrics(rows: list[dict], reference_rows: list[dict]) -> dict:
         result["mean_k"] = (sum(r["mean_k"] * r["target_forwards"] for r in checked_rows)
                             / forwards if forwards else None)
         result["per_position_acceptance"] = pooled_positions(checked_rows)
+    predicted = [r for r in rows if r.get("accepted_prediction") is not None]
+    if predicted:
+        result["accepted_prediction_tokens"] = sum(r["accepted_prediction"] for r in predicted)
+        result["rejected_prediction_tokens"] = sum(r["rejected_prediction"] for r in predicted)
     return result
 
 

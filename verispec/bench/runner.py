@@ -89,7 +89,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         runs: dict[str, MethodRun] = {}
         for method in rotated(methods, i):  # machine noise hits every method alike
             bar.set_postfix_str(f"{prompt.category}: {method.name}")
-            runs[method.name] = method.run(ids, params)
+            runs[method.name] = (method.run(ids, params, prompt.prediction)
+                                 if getattr(method, "takes_prediction", False)
+                                 else method.run(ids, params))
             bar.update()
         records.extend(prompt_records(prompt, len(ids), methods, runs, params.greedy))
     bar.close()
@@ -160,6 +162,10 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                     label += f"[{verify}]"
                 methods.append(VerispecMethod(label, SpeculativeDecoder(
                     model, tokenizer, drafter, k=k, runtime=runners.target), verify))
+        elif name == "predicted":
+            methods.append(VerispecMethod(name, SpeculativeDecoder(
+                model, tokenizer, None, k=config.ks[0], runtime=runners.target),
+                takes_prediction=True))
         elif name == "hf-baseline":
             methods.append(HFMethod(name, model, eos_ids))
         elif name == "hf-ngram":
