@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 VERIFY_METHODS = ("block", "token", "invariant")  # how a sampled draft is verified
 
 MAX_SEED = 2**64 - 1  # a torch.Generator's seed is 64 bits; negatives would alias big ones
-MIN_TEMPERATURE = 1e-6  # below it float32 logits / temperature overflow to inf, and warp to NaN
+MIN_TEMPERATURE = 1e-6  # a floor far above ~1e-37, where float32 logits / T overflow (warp: NaN)
 
 
 @dataclass(frozen=True, slots=True)
