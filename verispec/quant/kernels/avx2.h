@@ -210,12 +210,10 @@ struct Avx2Kernel {
     for (int64_t t = 0; t < rows; t++)
       acc0[t] = acc1[t] = min0[t] = min1[t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    alignas(32) float scales[8];  // the group's block scales, read as broadcasts (loads)
     for (int64_t g = 0; g < groups; g++) {
       // 1. decode the group once for all rows
       GroupVectors v;
       group_vectors<T>(row, g, nblocks, v);
-      _mm256_store_ps(scales, v.scale);
       __m256i codes[GROUP], magnitudes[GROUP];
       decode_codes<T>(row, g, int(nblocks - g * GROUP), codes);
       if constexpr (Traits<T>::kSigned)
@@ -223,7 +221,12 @@ struct Avx2Kernel {
       // 2. each row's products over it
       for (int64_t t = 0; t < rows; t++) {
         const int8_t* q = x.row_codes(r0 + t) + g * QK_K;
-        const float* dx = x.row_scales(r0 + t) + g * GROUP;
+        // scale_j * d_x[j] for the 8 blocks; each half duplicated into both 128-bit lanes so
+        // that block j's factor is one in-lane shuffle away
+        const __m256 products = _mm256_mul_ps(v.scale,
+                                              _mm256_loadu_ps(x.row_scales(r0 + t) + g * GROUP));
+        const __m256 first4 = _mm256_permute2f128_ps(products, products, 0x00);
+        const __m256 last4 = _mm256_permute2f128_ps(products, products, 0x11);
         __m256 a0 = acc0[t], a1 = acc1[t];
 #pragma GCC unroll 8
         for (int j = 0; j < GROUP; j++) {
@@ -234,8 +237,11 @@ struct Avx2Kernel {
                   : _mm256_maddubs_epi16(codes[j], xq);
           const __m256 lanes = _mm256_cvtepi32_ps(
               _mm256_madd_epi16(pairs, Traits<T>::kSubScales ? v.sub[j] : ones));
-          const __m256 s = _mm256_mul_ps(_mm256_broadcast_ss(scales + j),
-                                         _mm256_broadcast_ss(dx + j));
+          const __m256 half = j < 4 ? first4 : last4;
+          const __m256 s = j % 4 == 0 ? _mm256_permute_ps(half, 0x00)
+                           : j % 4 == 1 ? _mm256_permute_ps(half, 0x55)
+                           : j % 4 == 2 ? _mm256_permute_ps(half, 0xaa)
+                                        : _mm256_permute_ps(half, 0xff);
           if (j % 2 == 0)
             a0 = _mm256_fmadd_ps(lanes, s, a0);
           else
