@@ -42,12 +42,24 @@ def products(request, monkeypatch):
 
 
 def write_tiny_gguf(path, architecture: str = "llama", seed: int = 0,
-                    odd_type: GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+                    odd_type: GGMLQuantizationType | None = None,
+                    tokenizer: bool = False) -> dict[str, np.ndarray]:
     """A 2-layer model of hidden width 64 with the types of LAYER_TYPES (odd_type: attn_output
-    stored in that type instead, as random blocks), F32 norms, no tokenizer. -> the float32
-    values of every tensor as written (dequantised)."""
+    stored in that type instead, as random blocks), F32 norms, no tokenizer (tokenizer: one
+    token per character of 94 bytes, then <s> and </s>). -> the float32 values of every tensor
+    as written (dequantised)."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
+    if tokenizer:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([*list(bytes_to_unicode().values())[:VOCAB - 2], "<s>", "</s>"])
+        writer.add_token_merges([])
+        writer.add_token_scores([0.0] * VOCAB)
+        writer.add_token_types([1] * (VOCAB - 2) + [3, 3])
+        writer.add_bos_token_id(VOCAB - 2)
+        writer.add_eos_token_id(VOCAB - 1)
     writer.add_block_count(2)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
@@ -265,6 +277,21 @@ def test_unsupported_type_is_dequantised_with_a_log_line(tmp_path, caplog):
     expected = torch.from_numpy(values["blk.0.attn_output.weight"]).to(torch.bfloat16)
     assert torch.equal(out.data, expected)
     assert runner.logits(torch.tensor([1, 2, 3]), 1).isfinite().all()
+
+
+def test_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "with-tokenizer.gguf"
+    write_tiny_gguf(path, tokenizer=True)
+    with caplog.at_level(logging.INFO, logger="verispec"):
+        model, first = loading.load(path, dtype="auto", dequantize=None)
+        converted = sum("converting the tokenizer" in r.getMessage() for r in caplog.records)
+        _, second = loading.load(path, dtype="auto", dequantize=None)
+    assert converted == 1  # the first load only
+    assert sum("converting the tokenizer" in r.getMessage() for r in caplog.records) == 1
+    assert list((tmp_path / "cache" / "verispec" / "tokenizers").iterdir())
+    assert first("abc")["input_ids"] == second("abc")["input_ids"] == [64, 65, 66]
+    assert model.config.eos_token_id == second.eos_token_id == VOCAB - 1
 
 
 def test_truncated_files_say_so(tiny_file, tmp_path):
