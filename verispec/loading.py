@@ -145,10 +145,11 @@ def gguf_tokenizer(file: gguf.GGUFFile):
     version = importlib.metadata.version("transformers")
     target = cache_root().parent / "tokenizers" / f"{file.tokenizer_key}-transformers-{version}"
     if (target / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(target)
+        return AutoTokenizer.from_pretrained(target, local_files_only=True)
     log.info("converting the tokenizer of %s once (cached in %s)", file.path.name, target)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(file.path.parent, gguf_file=file.path.name)
+        tokenizer = AutoTokenizer.from_pretrained(file.path.parent, gguf_file=file.path.name,
+                                                  local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
         log.warning("the tokenizer in %s failed to convert (%s): prompts must be token ids",
                     file.path.name, err)
