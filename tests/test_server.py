@@ -361,3 +361,37 @@ def httpx_connects(base: str) -> bool:
     except httpx.TransportError:
         return False
     return True
+
+
+def test_predicted_outputs_report_accepted_and_rejected_tokens(client, decoder):
+    """`prediction` is a draft source: the text is the one decoded without it, and usage says
+    how much of the prediction was accepted, as OpenAI reports it."""
+    expected = alone(decoder, "abcabcabc", 24)
+    for prediction in (expected, "zzzz"):
+        response = client.completions.create(
+            model=MODEL, prompt="abcabcabc", max_tokens=24, temperature=0,
+            extra_body={"prediction": {"type": "content", "content": prediction}})
+        assert response.choices[0].text == expected
+        details = response.usage.completion_tokens_details
+        predicted = len(decoder.tokenizer(prediction, add_special_tokens=False)["input_ids"])
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == \
+            predicted
+        if prediction == "zzzz":
+            assert details.accepted_prediction_tokens == 0
+    bad = httpx.post(f"{client.base_url}completions", json={
+        "model": MODEL, "prompt": "abc", "prediction": {"type": "file", "content": "x"}})
+    assert bad.status_code == 400
+
+
+def test_verify_is_an_extension_field(client, decoder):
+    """verify="invariant" with a seed: the server's output is plain sampling's for that seed,
+    the same as the request decoded alone; an unknown procedure is a 400."""
+    seeded = dict(temperature=1.0, seed=7)
+    response = client.completions.create(model=MODEL, prompt="abcabcabc", max_tokens=16,
+                                         extra_body={"verify": "invariant"}, **seeded)
+    assert response.choices[0].text == alone(decoder, "abcabcabc", 16, verify="invariant",
+                                             **seeded)
+    assert response.verispec["verify"] == "invariant"
+    bad = httpx.post(f"{client.base_url}completions", json={
+        "model": MODEL, "prompt": "abc", "verify": "fast"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

@@ -122,9 +122,11 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None) -> 
             raise queue_full(f"the server is at capacity ({engine.capacity} requests in "
                              "flight or waiting); retry later")
         prompt_ids = await encode()
+        prediction_ids = None if body.prediction is None else await prompts.prediction(
+            body.prediction.text)
         params = prompts.fit(len(prompt_ids), params, body.explicit_max_tokens)
         try:
-            handle = await engine.submit(prompt_ids, params)
+            handle = await engine.submit(prompt_ids, params, prediction_ids)
         except QueueFull as err:
             raise queue_full(str(err)) from None
         except ValueError as err:

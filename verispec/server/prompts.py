@@ -45,6 +45,10 @@ class Prompts:
         """-> ids of the messages under the chat template, with the generation prompt."""
         return await self._off_loop(self._chat_ids, messages)
 
+    async def prediction(self, text: str) -> list[int]:
+        """-> ids of a predicted output (no special tokens), checked like a prompt."""
+        return await self._off_loop(self._prediction_ids, text)
+
     def fit(self, prompt_tokens: int, params: SamplingParams, explicit: bool) -> SamplingParams:
         """max_tokens within the context: one asked for beyond the room the prompt leaves is a
         400 (as vLLM answers); a default one is cut to that room."""
@@ -86,22 +90,33 @@ class Prompts:
         return self._checked(self._encode(tokenizer(text, add_special_tokens=False)
                                           ["input_ids"]))
 
+    def _prediction_ids(self, text: str) -> list[int]:
+        self._check_text(text, param="prediction")
+        try:
+            ids = self.decoder.encode_prediction(text).tolist()
+        except ValueError as err:
+            raise APIError(400, str(err), param="prediction") from None
+        if len(ids) > self.context:
+            raise APIError(400, f"the prediction's {len(ids)} tokens exceed the model's "
+                                f"context of {self.context}", param="prediction", code=TOO_LONG)
+        return ids
+
     def _encode(self, prompt) -> list[int]:
         try:
             return self.decoder.encode(prompt, chat=False).tolist()
         except ValueError as err:  # empty, ids outside the vocabulary
             raise APIError(400, str(err), param="prompt") from None
 
-    def _check_text(self, text: str) -> None:
+    def _check_text(self, text: str, param: str = "prompt") -> None:
         try:
             size = len(text.encode("utf-8"))
         except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer takes it
-            raise APIError(400, f"the prompt is not valid Unicode: {err.reason} at character "
-                                f"{err.start}", param="prompt") from None
+            raise APIError(400, f"the {param} is not valid Unicode: {err.reason} at character "
+                                f"{err.start}", param=param) from None
         if self.max_token_bytes and size > self.max_prompt_tokens * self.max_token_bytes:
-            raise APIError(400, f"the prompt's {size} bytes of text cannot fit in "
+            raise APIError(400, f"the {param}'s {size} bytes of text cannot fit in "
                                 f"{self.max_prompt_tokens} tokens (this server's prompt limit; "
-                                f"the model's context is {self.context})", param="prompt",
+                                f"the model's context is {self.context})", param=param,
                            code=TOO_LONG)
 
     def _checked(self, ids: list[int]) -> list[int]:

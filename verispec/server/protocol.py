@@ -69,6 +69,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: the output as it is expected to be, mostly."""
+
+    type: Literal["content"]
+    content: Text | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+
+
 class SamplingFields(BaseModel):
     """The fields completions and chat completions share."""
 
@@ -83,6 +100,8 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False  # extension
     stop: Text | list[Text] | None = None
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
+    verify: Literal["block", "token", "invariant"] | None = None  # extension: SamplingParams'
+    prediction: Prediction | None = None
     n: StrictInt | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -127,7 +146,7 @@ class SamplingFields(BaseModel):
                 self.temperature,
                 top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
                 min_p=self.min_p or 0.0, seed=self.seed, ignore_eos=self.ignore_eos,
-                stop=self.stop or ())
+                stop=self.stop or (), verify=self.verify or "block")
         except ValueError as err:
             raise APIError(400, str(err)) from None
 
@@ -145,11 +164,6 @@ class CompletionRequest(SamplingFields):
     @property
     def explicit_max_tokens(self) -> bool:
         return self.max_tokens is not None
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -235,9 +249,15 @@ class Reply:
 
 
 def usage(prompt_tokens: int, output) -> dict:
+    """OpenAI's usage object; with a prediction, completion_tokens_details says how many of
+    its tokens were accepted as drafts and how many were not (OpenAI's own counts)."""
     completion_tokens = len(output.token_ids)
+    stats = output.stats
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+                "rejected_prediction_tokens": stats.rejected_prediction_tokens}}
 
 
 def sse(data: dict | str) -> str:

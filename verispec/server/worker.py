@@ -63,6 +63,7 @@ class _Add:
     handle: RequestHandle
     prompt_ids: list[int]
     params: SamplingParams
+    prediction_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,8 @@ class Engine:
         self._commands.put(_Stop())
         self._thread.join()
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+    async def submit(self, prompt_ids: list[int], params: SamplingParams,
+                     prediction_ids: list[int] | None = None) -> RequestHandle:
         """Queue a request; returns once the engine took it. Raises QueueFull at once when the
         engine is at capacity, ValueError for a request the scheduler refuses."""
         with self._lock:
@@ -113,7 +115,7 @@ class Engine:
                                 f"{self.capacity - self.max_batch} waiting); retry later")
             self._outstanding += 1
         handle = RequestHandle()
-        self._commands.put(_Add(handle, prompt_ids, params))
+        self._commands.put(_Add(handle, prompt_ids, params, prediction_ids))
         handle.prompt_tokens = await handle.next()
         return handle
 
@@ -144,7 +146,8 @@ class Engine:
 
     def _add(self, command: _Add) -> None:
         try:
-            request_id = self._scheduler.add(command.prompt_ids, command.params, chat=False)
+            request_id = self._scheduler.add(command.prompt_ids, command.params, chat=False,
+                                             prediction=command.prediction_ids)
         except Exception as err:  # a refused request goes back to its handler as the error
             self._leave()
             if not isinstance(err, ValueError):
