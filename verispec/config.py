@@ -52,7 +52,7 @@ class DecodeConfig:
     estimate_decay: float = 0.85
     # A prompt longer than this is fed this many tokens a round, so a long prompt arriving in
     # a running batch delays the other rows' rounds by one chunk's pass, not its whole pass.
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.auto_k_max, int) or not 1 <= self.auto_k_max <= MAX_TREE_NODES:

@@ -77,8 +77,8 @@ class Scheduler:
     def __init__(self, decoder, max_batch: int = 16, runners: Iterable[Runner] = (),
                  drafters: Iterable[Drafter] = ()) -> None:
         """decoder: a verispec.SpeculativeDecoder (its target, drafter, K, tokenizer, config).
-        runners, drafters: ones to use before making more (the decoder's own, for a lone
-        prompt, so its KV cache carries over from one prompt to the next)."""
+        runners, drafters: the decoder's own, for a lone prompt: used first, caches kept, so
+        its KV cache carries over from one prompt to the next."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.decoder = decoder
@@ -88,8 +88,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        self._free_runners: list[Runner] = list(runners)
-        self._free_drafters: list[Drafter] = list(drafters)
+        self._own_runners: list[Runner] = list(runners)
+        self._own_drafters: list[Drafter] = list(drafters)
+        self._free_runners: list[Runner] = []
+        self._free_drafters: list[Drafter] = []
 
     @property
     def has_work(self) -> bool:
@@ -233,15 +235,27 @@ class Scheduler:
     # -- rows joining, advancing and leaving ------------------------------------------------
 
     def _admit(self, request: Request) -> None:
+        """A row joins with a runner and drafter of its own. The decoder's own (a lone prompt)
+        keep their caches, so a prompt sharing a prefix with the previous one reuses it; a
+        pooled one starts empty, so a row's output never depends on which request had its
+        runner before (a prompt pass's keys and values need not be the same bits as the same
+        positions computed in another prompt's pass)."""
         decoder = self.decoder
-        request.runner = self._free_runners.pop() if self._free_runners else \
-            decoder.target.sibling()
+        if self._own_runners:
+            request.runner = self._own_runners.pop()
+        else:
+            request.runner = self._free_runners.pop() if self._free_runners else \
+                decoder.target.sibling()
+            request.runner.reset()
         if decoder.drafter is not None:
-            request.drafter = self._free_drafters.pop() if self._free_drafters else \
-                decoder.drafter.fork()
+            if self._own_drafters:
+                request.drafter = self._own_drafters.pop()
+            else:
+                request.drafter = self._free_drafters.pop() if self._free_drafters else \
+                    decoder.drafter.fork()
+                request.drafter.reset()
             follow_target(request.drafter, request.runner)
-        # what the runner holds of this prompt already (a runner reused from a request that
-        # shared a prefix keeps it); its rounds feed the rest
+        # what the runner holds of this prompt already; its rounds feed the rest
         request.prompt_fed = common_prefix(request.runner.cached_ids, request.prompt_ids)
         self.running.append(request)
 
