@@ -210,7 +210,6 @@ class Scheduler:
     def _prefill_round(self, request: Request) -> Round:
         """The prompt's next chunk, fed for its keys and values alone (its logits unused)."""
         request.prompt_fed += self.config.prefill_chunk
-        request.stats.record_prefill()
         return Round(empty_draft(), request.history[: request.prompt_fed], 1)
 
     def _retry_alone(self, running: list[Request], snapshot: list[torch.Tensor | None]

@@ -13,8 +13,9 @@ class GenerationStats:
     """What a generation cost and how well the draft agreed with the target.
 
     checked counts the draft tokens actually compared with the target: those after the first
-    rejection of a round are dropped unseen. tokens_per_forward (tau) is new tokens per target
-    forward pass, prompt pass included; expected_tokens is the formula
+    rejection of a round are dropped unseen. tokens_per_forward (tau) is new tokens per
+    verification round (the first round's pass holds the prompt's last chunk; a long prompt's
+    earlier chunks verify nothing and are not counted); expected_tokens is the formula
     (1 - a^(k+1)) / (1 - a) at the measured acceptance rate a and the configured k.
     """
 
@@ -80,10 +81,6 @@ class StatsRecorder:
         for position in range(num_checked):
             self.position_checked[position] += 1
             self.position_accepted[position] += int(position < num_accepted)
-
-    def record_prefill(self) -> None:
-        """A target pass that fed a chunk of a long prompt (no tokens verified)."""
-        self.target_forwards += 1
 
     def finish(self) -> GenerationStats:
         wall_s = time.perf_counter() - self.started
