@@ -248,6 +248,12 @@ def test_position_logits_do_not_depend_on_the_pass(tiny_file, products):
     runner.logits(ids[:4], 1)
     steps = [runner.logits(ids[:end], 1)[0] for end in range(5, 11)]  # one position a pass
     assert torch.equal(torch.stack(steps), whole)
+    # a position computed in a prompt pass (more than 16 positions) and again in a short pass
+    prompt = torch.arange(3, 27)  # 24 positions
+    from_prompt = gguf_runner(model).logits(prompt, 1)
+    again = gguf_runner(model)
+    again.logits(prompt[:-1], 1)
+    assert torch.equal(again.logits(prompt, 1), from_prompt)
 
 
 def test_speculative_greedy_equals_plain_greedy(tiny_file, products):

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
 from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix, kernels
 from verispec.quant.model import GGUFModel, qk_order
-from verispec.runtime.native.llama import LayerWeights, LlamaShape, NativeLlama
+from verispec.runtime.native.llama import INVARIANT_MAX, LayerWeights, LlamaShape, NativeLlama
 from verispec.runtime.native.runner import NativeRunner
 
 log = logging.getLogger("verispec")
@@ -74,7 +75,29 @@ def native_from_gguf(model: GGUFModel) -> NativeLlama:
 
 
 class GGUFLlama(NativeLlama):
-    """A NativeLlama on a GGUF file's blocks; describe() names the formats and the products."""
+    """A NativeLlama on a GGUF file's blocks; describe() names the formats and the products.
+
+    Every pass attends query by query, prompt passes too. The kernels quantise activations to
+    int8, which turns a last-bit difference in a position's attention output (a prompt pass's
+    one causal call rounds unlike a lone query) into a different code and a logit 0.5-1 away;
+    then a position computed once in a prompt pass and again in a verification pass (a prompt
+    reused from the cache) would part greedy speculative output from plain. One call per
+    query keeps a position's bits the same in any pass, at a few ms per query in a prompt."""
+
+    def _attend(self, q: torch.Tensor, cache, index: int, start: int, end: int,
+                plan) -> torch.Tensor:
+        """q [nh, T, d] -> [nh, T, d]: each query alone over exactly its own keys."""
+        if plan is not None or q.shape[1] <= INVARIANT_MAX:
+            return super()._attend(q, cache, index, start, end, plan)
+        keys, values = cache.keys[index].unsqueeze(0), cache.values[index].unsqueeze(0)
+        heads, length, dim = q.shape
+        kv_heads = self.shape.num_kv_heads
+        grouped = q.view(kv_heads, heads // kv_heads, length, dim)
+        return torch.cat([
+            F.scaled_dot_product_attention(
+                grouped[None, :, :, t], keys[:, :, :start + t + 1],
+                values[:, :, :start + t + 1]).view(heads, 1, dim)
+            for t in range(length)], dim=1)
 
     def describe(self) -> str:
         linears = [self.lm_head, *(part for layer in self.layers
