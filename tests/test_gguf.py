@@ -351,9 +351,9 @@ def smollm2():
 
 def test_smollm2_logits_close_to_the_dequantised_bf16_model(smollm2):
     """Against today's path (transformers' dequantisation, bfloat16 native runtime), over a
-    chat prompt: max |logit difference| at most 15% of the largest logit, the top token the
-    same at 90% of positions or more. (bfloat16 rounding alone moves logits by a few percent;
-    the kernels' int8 activations add about as much.)"""
+    prompt: max |logit difference| at most 15% of the largest logit (measured: 3.6% with the
+    kernels, 2.2% with PyTorch products), the top token the same at 85% of positions or more
+    (measured 13 of 14, 14 of 14) and always among the bfloat16 model's top 5."""
     model, tokenizer = smollm2
     ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
     quantized = make_runner(model).logits(ids, len(ids))
@@ -362,7 +362,9 @@ def test_smollm2_logits_close_to_the_dequantised_bf16_model(smollm2):
     assert "bfloat16" in bf16.describe()
     expected = bf16.logits(ids, len(ids))
     assert (quantized - expected).abs().max() <= 0.15 * expected.abs().max()
-    assert (quantized.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    assert (quantized.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.85
+    top5 = expected.topk(5, dim=-1).indices  # [T, 5]
+    assert bool((top5 == quantized.argmax(-1, keepdim=True)).any(-1).all())
 
 
 @pytest.mark.parametrize("draft", ["ngram", "default"])
