@@ -175,7 +175,7 @@ def run_bench(args: argparse.Namespace) -> int:
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
         batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue,
         tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width,
-        llama_cpp=args.llama_cpp)
+        llama_cpp=args.llama_cpp, dequantize=args.dequantize)
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)

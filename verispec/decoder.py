@@ -174,7 +174,8 @@ class SpeculativeDecoder:
                                         dequantize=dequantize)
         drafter = load_drafter(draft, model, tokenizer, dtype=dtype, device=device,
                                runtime=runtime, int8=int8, target_spec=target,
-                               tree_width=tree_width, sampled_tree_width=sampled_tree_width)
+                               tree_width=tree_width, sampled_tree_width=sampled_tree_width,
+                               dequantize=dequantize)
         return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
                    int8=int8, config=config)
 

@@ -36,7 +36,10 @@ log = logging.getLogger("verispec")
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Measure, write results.json / report.md / plots into config.out, return the results."""
     # 1. Models, loaded once and shared by every method.
-    model, tokenizer = loading.load(config.target, dtype=config.dtype)
+    quantized = config.dequantize is None and config.runtime != "hf" and not config.int8 and \
+        not any(m.startswith("hf-") for m in config.methods)
+    dequantize = None if quantized else "bf16"
+    model, tokenizer = loading.load(config.target, dtype=config.dtype, dequantize=dequantize)
     draft_model, assistant_model, head_token_ids, feature_drafter = None, None, None, None
     draft = config.draft
     if draft == "default":
@@ -44,9 +47,11 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     if draft is not None and is_feature_draft(draft):
         # reads the target's features as it runs: no separate runner, no transformers peer
         feature_drafter = load_drafter(draft, model, tokenizer, tree_width=config.tree_width,
-                                       sampled_tree_width=config.sampled_tree_width)
+                                       sampled_tree_width=config.sampled_tree_width,
+                                       dequantize=dequantize)
     elif draft is not None:
-        loaded = load_draft_model(draft, model, tokenizer, dtype=config.dtype)
+        loaded = load_draft_model(draft, model, tokenizer, dtype=config.dtype,
+                                  dequantize=dequantize)
         draft_model, head_token_ids, assistant_model = (loaded.model, loaded.head_token_ids,
                                                         loaded.model)
         if head_token_ids is not None:

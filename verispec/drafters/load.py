@@ -45,13 +45,15 @@ class DraftModel:
 
 
 def load_draft_model(draft: str | os.PathLike, target: PreTrainedModel, tokenizer,
-                     dtype: str = "auto", device: str = "cpu") -> DraftModel:
+                     dtype: str = "auto", device: str = "cpu",
+                     dequantize: str | None = "bf16") -> DraftModel:
     """A distilled small LM draft (rebuilt on the target's embedding) or any causal LM checked
     against the target's vocabulary. Raises IncompatibleDraftError when it does not fit."""
     if is_distilled_draft(draft):  # built on the target's embedding; its head covers a subset
         model, head_token_ids = load_draft(draft, target, tokenizer)
         return DraftModel(model, head_token_ids)
-    model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device)
+    model, draft_tokenizer = loading.load(draft, dtype=dtype, device=device,
+                                          dequantize=dequantize)
     check_vocab(target, tokenizer, model, draft_tokenizer)
     return DraftModel(model)
 
@@ -59,12 +61,14 @@ def load_draft_model(draft: str | os.PathLike, target: PreTrainedModel, tokenize
 def load_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
                  device: str = "cpu", runtime: str = "auto", int8: bool = False,
                  target_spec=None, tree_width: int = DEFAULT_TREE_WIDTH,
-                 sampled_tree_width: int = 1) -> Drafter | None:
+                 sampled_tree_width: int = 1, dequantize: str | None = "bf16"
+                 ) -> Drafter | None:
     """The drafter that `draft` names (see the module docstring); "default" and "hybrid" look
     up the draft shipped for `target_spec` (the target as given to `loading.load`). A draft
     model runs on the same runtime, dtype and quantization as the target. tree_width: how wide
     the token trees a feature draft proposes for greedy rows are, sampled_tree_width for
-    sampled rows (1: chains)."""
+    sampled rows (1: chains). dequantize: for a GGUF draft model, as `loading.load` takes it
+    (None: its own formats, as a quantized target runs)."""
     check_tree_width(tree_width)
     check_tree_width(sampled_tree_width)
     if draft is None or draft == "none":
@@ -81,7 +85,8 @@ def load_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
             raise IncompatibleDraftError("no draft is shipped for this target: use "
                                          "hybrid:PATH with a draft model folder")
         drafter = load_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8,
-                               tree_width=tree_width, sampled_tree_width=sampled_tree_width)
+                               tree_width=tree_width, sampled_tree_width=sampled_tree_width,
+                               dequantize=dequantize)
         if not isinstance(drafter, ModelDrafter | FeatureDrafter):
             raise IncompatibleDraftError(f"hybrid lookup pairs n-grams with a draft model; "
                                          f"{model_draft} is a {drafter.name} draft")
@@ -90,6 +95,7 @@ def load_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
         weights, head_token_ids, taps = load_feature_weights(draft, target, tokenizer)
         return FeatureDrafter(weights, head_token_ids, target, vocab_size(target), taps,
                               tree_width, sampled_tree_width)
-    loaded = load_draft_model(draft, target, tokenizer, dtype=dtype, device=device)
+    loaded = load_draft_model(draft, target, tokenizer, dtype=dtype, device=device,
+                              dequantize=dequantize)
     runner = make_runner(loaded.model, runtime, dtype=dtype, int8=int8)
     return ModelDrafter(runner, vocab_size(target), head_token_ids=loaded.head_token_ids)
