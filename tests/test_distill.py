@@ -204,11 +204,11 @@ def test_head_subset_scatter_gives_a_proper_q():
 
 
 def test_head_vocabulary_takes_specials_then_the_most_probable_tokens():
-    from verispec.distill.data import Sequence
+    from verispec.distill.data import Transcript
 
     rows = torch.tensor([[3, 5], [3, 4]])
     logprobs = torch.tensor([[0.9, 0.1], [0.6, 0.4]]).log()
-    seq = Sequence(torch.tensor([0, 3, 3]), 1, rows, logprobs)
+    seq = Transcript(torch.tensor([0, 3, 3]), 1, rows, logprobs)
     assert head_vocabulary([seq], 2, 10, []).tolist() == [3, 4]
     assert head_vocabulary([seq], 3, 10, [9]).tolist() == [3, 4, 9]
     assert head_vocabulary([seq], 8, 10, []).tolist() == [3, 4, 5]  # only tokens with mass

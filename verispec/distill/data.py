@@ -40,7 +40,10 @@ log = logging.getLogger("verispec.distill")
 
 
 @dataclass(frozen=True, slots=True)
-class Sequence:
+class Transcript:
+    """One training example the target wrote: a prompt, its response, the target's top-k
+    log-probabilities at every response position (and its features, for feature drafts)."""
+
     ids: torch.Tensor  # [T] long: prompt + response
     start: int  # the response is ids[start:]
     topk_ids: torch.Tensor  # [T - start, k] long: row r predicts ids[start + r]
@@ -177,7 +180,7 @@ def write_shards(teacher: Teacher, plans: list[ShardPlan], max_new_tokens: int, 
         for prompt, response in zip(prompts, responses, strict=True):
             top_ids, top_logprobs, features = teacher.score(prompt + response, len(prompt),
                                                             topk)
-            sequences.append(Sequence(torch.tensor(prompt + response), len(prompt), top_ids,
+            sequences.append(Transcript(torch.tensor(prompt + response), len(prompt), top_ids,
                                       top_logprobs, features))
         # 2. Write it atomically, then the progress record.
         save_shard(plan.path, sequences)
@@ -213,7 +216,7 @@ def _rows(teacher: Teacher, plan: ShardPlan, greedy_fraction: float, temperature
     return [p for p, _ in rows], temperatures, [plan.seed + i for i in range(len(rows))]
 
 
-def save_shard(path: Path, sequences: list[Sequence]) -> None:
+def save_shard(path: Path, sequences: list[Transcript]) -> None:
     lengths = torch.tensor([0] + [int(s.ids.numel()) for s in sequences])
     tensors = {
         "ids": torch.cat([s.ids for s in sequences]).to(torch.int32),
@@ -229,7 +232,7 @@ def save_shard(path: Path, sequences: list[Sequence]) -> None:
     os.replace(tmp, path)
 
 
-def load_shard(path: Path) -> list[Sequence]:
+def load_shard(path: Path) -> list[Transcript]:
     t = safetensors.torch.load_file(str(path))
     offsets, starts = t["offsets"].tolist(), t["starts"].tolist()
     sequences, row = [], 0
@@ -237,7 +240,7 @@ def load_shard(path: Path) -> list[Sequence]:
         ids = t["ids"][offsets[i] : offsets[i + 1]].long()
         n = len(ids) - start
         features = t["features"][offsets[i] : offsets[i + 1]] if "features" in t else None
-        sequences.append(Sequence(ids, start, t["topk_ids"][row : row + n].long(),
+        sequences.append(Transcript(ids, start, t["topk_ids"][row : row + n].long(),
                                   t["topk_logprobs"][row : row + n].float(), features))
         row += n
     return sequences

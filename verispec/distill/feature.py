@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from verispec.distill.data import Sequence
+from verispec.distill.data import Transcript
 from verispec.drafters.feature import tap_inputs
 from verispec.drafters.folder import taps_fit
 from verispec.runtime.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
@@ -130,7 +130,7 @@ class FeatureExample:
     taps: torch.Tensor | None = None  # [T, n, H] bfloat16: its hidden states at the head's taps
 
 
-def target_features(native: NativeLlama, sequences: list[Sequence], max_length: int,
+def target_features(native: NativeLlama, sequences: list[Transcript], max_length: int,
                     taps: tuple[int, ...] = ()) -> list[FeatureExample]:
     """The target's features for every position of every sequence (cut to max_length): those
     the data shards stored (written by the same runtime), else from a pass of `native`, the

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from verispec.distill.data import Sequence
+from verispec.distill.data import Transcript
 
 log = logging.getLogger("verispec.distill")
 LOG_EVERY = 20  # steps between log lines
@@ -59,7 +59,7 @@ class TrainReport:
     heldout_agreement: float = math.nan  # top-1 agreement with the target on held-out data
 
 
-def head_vocabulary(sequences: list[Sequence], size: int, vocab_size: int,
+def head_vocabulary(sequences: list[Transcript], size: int, vocab_size: int,
                     always: list[int]) -> torch.Tensor:
     """The head's token ids [Vh] (sorted): `always` (special tokens), then the tokens carrying the
     most target probability in the data's top-k rows, `size` in all (fewer if fewer have any).
@@ -74,7 +74,7 @@ def head_vocabulary(sequences: list[Sequence], size: int, vocab_size: int,
     return chosen[mass[chosen] > 0][: max(size, len(always))].sort().values
 
 
-def prepare(sequences: list[Sequence], head_token_ids: torch.Tensor, vocab_size: int,
+def prepare(sequences: list[Transcript], head_token_ids: torch.Tensor, vocab_size: int,
             seq_len: int) -> list[Example]:
     """Cut sequences to seq_len and map their top-k onto the head's rows."""
     row_of = torch.full((vocab_size,), -1, dtype=torch.long)  # token id -> head row, -1 if none
