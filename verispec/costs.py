@@ -22,6 +22,7 @@ from verispec.runtime import batched_logits
 from verispec.sampling import sample, warp
 from verispec.verify import rejection_sample
 
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """Measured costs, in units of one one-token target step."""
