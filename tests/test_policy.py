@@ -242,8 +242,8 @@ def test_measure_costs_on_a_real_runtime(text_target):
                              long_context=64)
     assert len(measured.verify) == 5 and measured.verify[0] == 1.0
     assert all(a <= b for a, b in zip(measured.verify, measured.verify[1:], strict=False))
-    assert measured.draft_step >= 0 and measured.target_step_s > 0
-    assert measured.long_verify is not None and measured.long_draft_step >= 0
+    assert measured.target_step_s > 0 and measured.long_verify is not None
+    assert measured.long_draft_step is not None
     assert measured.sampling_step > 0  # warping the target's distribution costs something
     assert measure_costs(model, None, k_max=4, context=32, repeats=1,
                          long_context=64).long_draft_step == 0.0

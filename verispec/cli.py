@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "never fewer accepted tokens than token), token (token-wise "
                           "rejection sampling), invariant (plain sampling's very tokens for "
                           "a --seed, whatever the draft)")
+    gen.add_argument("--prediction", default=None, metavar="FILE",
+                     help="Predicted Outputs: a file holding the output as it is expected to be "
+                          "(a file being edited, say), used as a draft source")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, stats} on stdout")
@@ -141,15 +144,21 @@ def run_generate(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
         sampled_tree_width=args.sampled_tree_width, dequantize=args.dequantize)
+    prediction = None
+    if args.prediction is not None:
+        try:
+            prediction = Path(args.prediction).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise VerispecError(f"cannot read the prediction {args.prediction}: {err}") from None
     if args.json:
-        output = decoder.generate(args.prompt, params)
+        output = decoder.generate(args.prompt, params, prediction=prediction)
         json.dump({"text": output.text, "token_ids": output.token_ids,
                    "finish_reason": output.finish_reason, "stats": output.stats.to_dict()},
                   sys.stdout)
         sys.stdout.write("\n")
         return 0
     output = None
-    for chunk in decoder.stream(args.prompt, params):
+    for chunk in decoder.stream(args.prompt, params, prediction=prediction):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         output = chunk.output

@@ -102,6 +102,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     bar.close()
 
     results = summarise(records, methods, config.ks)
+    decoders = [m.decoder for m in methods if getattr(m, "decoder", None) is not None]
+    if decoders:  # the decode loop's knobs every verispec method ran with
+        results["decode_config"] = decoders[0].config.as_dict()
     results.update(config=config_dict(config), machine=machine_info(config, model, runners),
                    costs=costs, notes=notes)
     write_outputs(results, config.out)
