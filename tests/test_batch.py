@@ -238,16 +238,16 @@ def test_batch_costs_time_drafting_the_way_the_scheduler_drafts(text_pair, token
                                                                  monkeypatch):
     """A batch's draft step c is timed with the proposals the scheduler makes at that size:
     chains where greedy rows do not draft trees (a tree's first step costs more)."""
-    import verispec.drafters.batch as batch_module
+    import verispec.costs as costs_module
 
     asked = []
-    real = batch_module.propose_batch
+    real = costs_module.propose_batch
 
     def spy(*args, greedy_trees=True, **kwargs):
         asked.append(greedy_trees)
         return real(*args, greedy_trees=greedy_trees, **kwargs)
 
-    monkeypatch.setattr(batch_module, "propose_batch", spy)
+    monkeypatch.setattr(costs_module, "propose_batch", spy)
     decoder = decoder_for("hybrid", *text_pair, tokenizer, k="auto")
     for size in (2, 4):
         asked.clear()
