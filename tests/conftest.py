@@ -122,6 +122,20 @@ def exact_joint(model, prompt: list[int], params) -> torch.Tensor:
     return (first.unsqueeze(1) * second).double()
 
 
+def first_two_counts(decoder, prompt: list[int], vocab: int, params, runs: int,
+                     **generate_kwargs) -> torch.Tensor:
+    """Counts [V, V] of the first two tokens the decoder generates over `runs` seeds (0..runs-1)
+    with these params otherwise; generate_kwargs go to generate (a prediction, say)."""
+    import dataclasses
+
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for seed in range(runs):
+        request = dataclasses.replace(params, max_new_tokens=2, seed=seed, ignore_eos=True)
+        first, second = decoder.generate(prompt, request, **generate_kwargs).token_ids
+        counts[first, second] += 1
+    return counts
+
+
 def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
     """Chi-square p-value of observed counts [V, V] against an exact joint [V, V], cells with
     an expected count below 5 merged into one."""

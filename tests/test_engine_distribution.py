@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import always_accept_rows, chi2_pvalue, exact_joint, perturbed_copy, tiny_llama
+from conftest import (
+    always_accept_rows,
+    chi2_pvalue,
+    exact_joint,
+    first_two_counts,
+    perturbed_copy,
+    tiny_llama,
+)
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import scheduler as scheduler_module
@@ -32,14 +39,7 @@ def draft(target):
 
 
 def sampled_joint(decoder: SpeculativeDecoder, params: SamplingParams) -> torch.Tensor:
-    counts = torch.zeros(V, V, dtype=torch.float64)
-    for seed in range(N):
-        request = SamplingParams(max_new_tokens=2, temperature=params.temperature,
-                                 top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                                 seed=seed, ignore_eos=True)
-        first, second = decoder.generate(PROMPT, request).token_ids
-        counts[first, second] += 1
-    return counts
+    return first_two_counts(decoder, PROMPT, V, params, N)
 
 
 SETTINGS = {

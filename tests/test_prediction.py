@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import always_accept_rows, chi2_pvalue, exact_joint, tiny_llama
+from conftest import always_accept_rows, chi2_pvalue, exact_joint, first_two_counts, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import scheduler as scheduler_module
@@ -62,12 +62,8 @@ def small_target():
 
 
 def prediction_counts(decoder, prediction) -> torch.Tensor:
-    counts = torch.zeros(V, V, dtype=torch.float64)
-    for seed in range(N):
-        params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=seed, ignore_eos=True)
-        first, second = decoder.generate(PROMPT_IDS, params, prediction=prediction).token_ids
-        counts[first, second] += 1
-    return counts
+    return first_two_counts(decoder, PROMPT_IDS, V, SamplingParams(temperature=1.0), N,
+                            prediction=prediction)
 
 
 # The prediction repeats the prompt's last bigram, so the lookup proposes its next tokens at

@@ -4,9 +4,11 @@ K or batch; each with a negative control that must fail."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import chi2_pvalue, exact_joint, perturbed_copy, tiny_llama
+from conftest import chi2_pvalue, exact_joint, first_two_counts, perturbed_copy, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import scheduler as scheduler_module
@@ -30,14 +32,7 @@ def draft(target):
 
 def sampled_joint(decoder: SpeculativeDecoder, params: SamplingParams, verify: str
                   ) -> torch.Tensor:
-    counts = torch.zeros(V, V, dtype=torch.float64)
-    for seed in range(N):
-        request = SamplingParams(max_new_tokens=2, temperature=params.temperature,
-                                 top_k=params.top_k, top_p=params.top_p, seed=seed,
-                                 ignore_eos=True, verify=verify)
-        first, second = decoder.generate(PROMPT, request).token_ids
-        counts[first, second] += 1
-    return counts
+    return first_two_counts(decoder, PROMPT, V, dataclasses.replace(params, verify=verify), N)
 
 
 SETTINGS = {

@@ -151,8 +151,9 @@ class Scheduler:
         if not running:
             return []
         # 2. Rows still feeding their prompt take a chunk of it; the others decode a round.
-        prefilling = [r for r in running if self._prompt_left(r) > self.config.prefill_chunk]
-        decoding = [r for r in running if self._prompt_left(r) <= self.config.prefill_chunk]
+        chunked = [self._prompt_left(r) > self.config.prefill_chunk for r in running]
+        prefilling = [r for r, c in zip(running, chunked, strict=True) if c]
+        decoding = [r for r, c in zip(running, chunked, strict=True) if not c]
         snapshot = [_generator_state(r) for r in running]
         try:
             verified = self._round(prefilling, decoding)
@@ -240,19 +241,10 @@ class Scheduler:
         runner before (a prompt pass's keys and values need not be the same bits as the same
         positions computed in another prompt's pass)."""
         decoder = self.decoder
-        if self._own_runners:
-            request.runner = self._own_runners.pop()
-        else:
-            request.runner = self._free_runners.pop() if self._free_runners else \
-                decoder.target.sibling()
-            request.runner.reset()
+        request.runner = _take(self._own_runners, self._free_runners, decoder.target.sibling)
         if decoder.drafter is not None:
-            if self._own_drafters:
-                request.drafter = self._own_drafters.pop()
-            else:
-                request.drafter = self._free_drafters.pop() if self._free_drafters else \
-                    decoder.drafter.fork()
-                request.drafter.reset()
+            request.drafter = _take(self._own_drafters, self._free_drafters,
+                                    decoder.drafter.fork)
             follow_target(request.drafter, request.runner)
         # what the runner holds of this prompt already; its rounds feed the rest
         request.prompt_fed = common_prefix(request.runner.cached_ids, request.prompt_ids)
@@ -287,6 +279,16 @@ class Scheduler:
         if request in self.running:
             self._release(request)
         return Event(request.request_id, "", [], error=error)
+
+
+def _take(own: list, free: list, make):
+    """A runner or drafter for a joining row: the decoder's own as it is (its cache kept),
+    else a pooled or new one, emptied."""
+    if own:
+        return own.pop()
+    item = free.pop() if free else make()
+    item.reset()
+    return item
 
 
 def _predict(request: Request, k: int, keep) -> Draft:
