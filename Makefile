@@ -29,8 +29,9 @@ demo-coder: .venv/.installed
 	HF_HUB_OFFLINE=1 .venv/bin/verispec pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct $(PULL_ARGS)
 	HF_HUB_OFFLINE=1 .venv/bin/verispec generate "$(CODER_PROMPT)" --target qwen2.5-coder-1.5b-instruct --max-new-tokens 256
 
+# one worker per core (at most 4), each single-threaded (tests/conftest.py)
 test: .venv/.installed
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --numprocesses=auto --maxprocesses=4 --dist worksteal
 
 lint: .venv/.installed
 	.venv/bin/ruff check verispec tests

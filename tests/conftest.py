@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one thread per worker (set before torch loads): two workers' OpenMP teams sharing two
+    # cores spin against each other and make tiny ops a hundred times slower
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -123,14 +127,17 @@ def exact_joint(model, prompt: list[int], params) -> torch.Tensor:
 
 
 def first_two_counts(decoder, prompt: list[int], vocab: int, params, runs: int,
-                     **generate_kwargs) -> torch.Tensor:
+                     verify: str | None = None, **generate_kwargs) -> torch.Tensor:
     """Counts [V, V] of the first two tokens the decoder generates over `runs` seeds (0..runs-1)
-    with these params otherwise; generate_kwargs go to generate (a prediction, say)."""
+    with these params otherwise (and this verification mode, if given: set with the seed, as
+    invariant verification is only valid with one); generate_kwargs go to generate."""
     import dataclasses
 
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     for seed in range(runs):
-        request = dataclasses.replace(params, max_new_tokens=2, seed=seed, ignore_eos=True)
+        mode = {} if verify is None else {"verify": verify}
+        request = dataclasses.replace(params, max_new_tokens=2, seed=seed, ignore_eos=True,
+                                      **mode)
         first, second = decoder.generate(prompt, request, **generate_kwargs).token_ids
         counts[first, second] += 1
     return counts

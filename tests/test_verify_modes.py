@@ -4,7 +4,6 @@ K or batch; each with a negative control that must fail."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ def draft(target):
 
 def sampled_joint(decoder: SpeculativeDecoder, params: SamplingParams, verify: str
                   ) -> torch.Tensor:
-    return first_two_counts(decoder, PROMPT, V, dataclasses.replace(params, verify=verify), N)
+    return first_two_counts(decoder, PROMPT, V, params, N, verify=verify)
 
 
 SETTINGS = {
