@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from verispec import SamplingParams, SpeculativeDecoder, loading
+from verispec import SamplingParams, SpeculativeDecoder, cpu, loading
 from verispec.quant import fallback, linear
 from verispec.quant.gguf import GGUFError, read
 from verispec.quant.linear import QuantMatrix
@@ -260,8 +260,9 @@ def test_speculative_greedy_equals_plain_greedy(tiny_file, products):
     path, _ = tiny_file
     prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 23, 42, 4, 8]  # repeats: n-grams propose
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    plain = SpeculativeDecoder.from_pretrained(path, draft=None).generate(prompt, params)
-    spec = SpeculativeDecoder.from_pretrained(path, draft="ngram", k=4)
+    plain = SpeculativeDecoder.from_pretrained(path, draft=None, dequantize=None).generate(
+        prompt, params)
+    spec = SpeculativeDecoder.from_pretrained(path, draft="ngram", k=4, dequantize=None)
     output = spec.generate(prompt, params)
     assert output.token_ids == plain.token_ids
     assert len(output.token_ids) == 40
@@ -340,6 +341,18 @@ def test_other_dtypes_and_runtimes_ask_for_dequantisation(tiny_file):
 PROMPT = "Write a Python function that returns the squares of a list of numbers."
 
 
+@pytest.mark.parametrize("bf16_kernels", [True, False])
+def test_auto_weights_follow_the_kernels_that_run_here(monkeypatch, bf16_kernels):
+    """dequantize="auto": bfloat16 where the C++ bfloat16 kernels run, the file's own formats
+    elsewhere; None and "bf16" as given; off the CPU bfloat16 (no quantised kernels there)."""
+    monkeypatch.setattr(cpu, "runs_bf16_kernels", lambda: bf16_kernels)
+    assert loading.weights_for("auto") == ("bf16" if bf16_kernels else None)
+    assert loading.weights_for(None) is None and loading.weights_for("bf16") == "bf16"
+    assert loading.weights_for("auto", device="cuda") == "bf16"
+    with pytest.raises(ValueError, match="dequantize must be"):
+        loading.weights_for("int4")
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     try:
@@ -372,7 +385,7 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2, draft):
     model, tokenizer = smollm2
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     plain = SpeculativeDecoder(model, tokenizer, None).generate(PROMPT, params)
-    decoder = SpeculativeDecoder.from_pretrained(None, draft=draft, k=4)
+    decoder = SpeculativeDecoder.from_pretrained(None, draft=draft, k=4, dequantize=None)
     assert decoder.target.model.lm_head.weight.quantized  # the file's blocks, not bf16
     output = decoder.generate(PROMPT, params)
     assert output.token_ids == plain.token_ids

@@ -323,6 +323,17 @@ def test_load_64_mixed_requests_from_16_clients(url, decoder, capsys):
     assert wait_until(lambda: metric(url, "verispec_requests_in_flight") == 0)
 
 
+def test_seeded_requests_under_invariant_verification_answer_as_alone(url):
+    """The server's seeded requests, verified with verify="invariant", give the very text they
+    give alone, whatever else the batch holds (block verification need not: see run_load)."""
+    report = run_load(f"{url}/v1", requests=32, concurrency=8, prompts=PROMPTS, max_tokens=24,
+                      model=MODEL, mixed=True, verify="invariant")
+    summary = report.summary()
+    seeded = sum(r.job.seed is not None and not r.job.leave for r in report.results)
+    assert summary["lost"] == summary["mixed"] == summary["5xx"] == 0 and seeded == 14
+    assert summary["seeded_equal_solo"] == f"{seeded}/{seeded}"
+
+
 def test_load_test_percentiles_are_nearest_rank():
     values = [1.0, 2.0, 3.0, 4.0]
     assert [percentile(values, q) for q in (1, 50, 90, 99, 100)] == [1.0, 2.0, 4.0, 4.0, 4.0]

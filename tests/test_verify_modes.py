@@ -4,7 +4,6 @@ K or batch; each with a negative control that must fail."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from conftest import chi2_pvalue, exact_joint, first_two_counts, perturbed_copy, tiny_llama

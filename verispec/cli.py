@@ -109,6 +109,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
 
 
+def dequantize_arg(args: argparse.Namespace) -> str | None:
+    """--dequantize as loading.weights_for takes it ("none": None, the file's own formats)."""
+    return None if args.dequantize == "none" else args.dequantize
+
+
 def add_tree_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-width", type=int, default=DEFAULT_TREE_WIDTH,
                         help="greedy rows of a feature draft (the shipped one) propose token "
@@ -128,9 +133,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): bfloat16 on the native CPU runtime, else float32")
     parser.add_argument("--int8", action="store_true",
                         help="weight-only int8 linear layers (native runtime)")
-    parser.add_argument("--dequantize", default=None, choices=["bf16"],
-                        help="a quantized GGUF target: bf16 dequantises it through transformers "
-                             "(bfloat16 weights); default: its own formats under --dtype auto")
+    parser.add_argument("--dequantize", default="auto", choices=["auto", "bf16", "none"],
+                        help="a quantized GGUF model: bf16 dequantises it through transformers "
+                             "(bfloat16 weights), none runs its own formats; auto (default): "
+                             "bf16 where the C++ bfloat16 kernels run (AVX512-BF16, AMX), its "
+                             "own formats elsewhere")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -143,7 +150,7 @@ def run_generate(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=args.dequantize)
+        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args))
     prediction = None
     if args.prediction is not None:
         try:
@@ -184,7 +191,7 @@ def run_bench(args: argparse.Namespace) -> int:
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
         batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue,
         tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width,
-        llama_cpp=args.llama_cpp, dequantize=args.dequantize)
+        llama_cpp=args.llama_cpp, dequantize=dequantize_arg(args))
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)
@@ -207,11 +214,13 @@ def run_costs(args: argparse.Namespace) -> int:
     from verispec.drafters.load import load_drafter
     from verispec.runtime import make_runner
 
+    dequantize = loading.weights_for(dequantize_arg(args), args.device)
     model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device,
-                                    dequantize=args.dequantize)
+                                    dequantize=dequantize)
     drafter = load_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
-                           runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-                           sampled_tree_width=args.sampled_tree_width)
+                           runtime=args.runtime, int8=args.int8, target_spec=args.target,
+                           tree_width=args.tree_width,
+                           sampled_tree_width=args.sampled_tree_width, dequantize=dequantize)
     runner = make_runner(model, args.runtime, dtype=args.dtype, int8=args.int8)
     follow_target(drafter, runner)  # a feature draft reads this runner's hidden states
     costs = measure_costs(runner, drafter, k_max=args.k_max)
@@ -281,7 +290,7 @@ def run_serve(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=args.dequantize)
+        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args))
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
           port=args.port, config=config)
     return 0

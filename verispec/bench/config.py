@@ -37,7 +37,7 @@ class BenchConfig:
     int8: bool = False  # weight-only int8 (native runtime), verispec's methods
     # None: a quantized GGUF target (and draft) run at their own bit width (dtype auto, native);
     # "bf16": transformers dequantises them (and the hf-* methods always need that)
-    dequantize: str | None = None
+    dequantize: str | None = "auto"  # loading.weights_for
     seed: int = 0
     ignore_eos: bool = True  # fixed-length outputs: every method generates max_new_tokens
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example

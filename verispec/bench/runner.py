@@ -36,9 +36,9 @@ log = logging.getLogger("verispec")
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Measure, write results.json / report.md / plots into config.out, return the results."""
     # 1. Models, loaded once and shared by every method.
-    quantized = config.dequantize is None and config.runtime != "hf" and not config.int8 and \
-        not any(m.startswith("hf-") for m in config.methods)
-    dequantize = None if quantized else "bf16"
+    dense = config.runtime == "hf" or config.int8 or any(m.startswith("hf-")
+                                                          for m in config.methods)
+    dequantize = "bf16" if dense else loading.weights_for(config.dequantize)
     model, tokenizer = loading.load(config.target, dtype=config.dtype, dequantize=dequantize)
     draft_model, assistant_model, head_token_ids, feature_drafter = None, None, None, None
     draft = config.draft

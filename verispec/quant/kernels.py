@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from verispec import cpu
+
 log = logging.getLogger("verispec")
 
 SOURCES = Path(__file__).with_name("kernels")
@@ -53,21 +55,12 @@ def __getattr__(name: str):  # `path` is decided (and the extension built) at fi
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def cpu_has_avx2() -> bool:
-    """AVX2, FMA and F16C, as the OS reports them (Linux); elsewhere the portable path runs."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= flags
-
-
 def load(path: str) -> ModuleType | None:
     """The compiled kernels of one path ("avx2" or "scalar"), or None where they cannot run or
     build here. Tests load both paths in one process to compare them."""
     if path not in FLAGS:
         raise ValueError(f"unknown kernel path {path!r}; the paths are {sorted(FLAGS)}")
-    if path == "avx2" and not cpu_has_avx2():
+    if path == "avx2" and not cpu.has_avx2():
         return None
     return _build(path)
 
@@ -104,7 +97,7 @@ def _active() -> tuple[str, ModuleType | None]:
     if wanted == "0":
         log.info("quantised kernels: off (VERISPEC_KERNELS=0); products in PyTorch")
         return "off", None
-    for path in ("scalar",) if wanted == "scalar" or not cpu_has_avx2() else ("avx2", "scalar"):
+    for path in ("scalar",) if wanted == "scalar" or not cpu.has_avx2() else ("avx2", "scalar"):
         module = load(path)
         if module is not None:
             log.info("quantised kernels: %s path", path)

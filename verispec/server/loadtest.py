@@ -2,7 +2,7 @@
 
     python -m verispec.server.loadtest --url http://127.0.0.1:8000/v1 --requests 64 \
         --concurrency 16 --max-tokens 64 [--temperature 0] [--chat] [--prompts FILE] [--mixed]
-        [--api-key KEY]
+        [--api-key KEY] [--verify invariant]
 
 Each client (a thread with its own `openai` client) streams its requests one after another, so
 C requests are in flight at once; time to first token is the first chunk with text, latency the
@@ -13,7 +13,8 @@ percentiles, requests/s and generated tokens/s over the run's wall time.
 by the bits of i, and every 16th client leaves after two chunks; each distinct request is first
 sent alone, and the summary adds `lost` (no answer), `mixed` (a greedy answer other than its
 solo answer: rows mixed up), `5xx`, and how many greedy and seeded answers equal their solo
-ones (seeded ones need not: K, which the batch sets, moves the draws).
+ones (seeded ones need not under block or token verification: K, which the batch sets, moves
+the draws; with --verify invariant they must, as the seeded requests then verify that way).
 
 --long-prompt N: one more request, a prompt of about N tokens, arrives a second into the run;
 the summary gives its status and the longest gap between two chunks of any other stream.
@@ -134,9 +135,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
              max_tokens: int = 64, temperature: float = 0.0, chat: bool = False,
              model: str | None = None, mixed: bool = False, api_key: str = "none",
-             long_prompt: int = 0) -> Report:
+             long_prompt: int = 0, verify: str | None = None) -> Report:
     """Send `requests` requests, `concurrency` at a time; base_url ends with /v1. Streaming
-    completions (chat: chat completions) at `temperature`, or a mix (see the module doc)."""
+    completions (chat: chat completions) at `temperature`, or a mix (see the module doc).
+    verify: the seeded requests' verification procedure (the server's default if None)."""
     from openai import OpenAI
 
     local = threading.local()
@@ -151,11 +153,11 @@ def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
     solo = None
     if mixed:  # each distinct request alone first, one at a time
         firsts = {job.solo_key: job for job in reversed(jobs)}
-        solo = {key: send(client(), model, job, max_tokens, temperature).text
+        solo = {key: send(client(), model, job, max_tokens, temperature, verify).text
                 for key, job in firsts.items()}
 
     def one(job: Job) -> Result:
-        return send(client(), model, job, max_tokens, temperature)
+        return send(client(), model, job, max_tokens, temperature, verify)
 
     long_result: list[Result] = []
 
@@ -178,12 +180,15 @@ def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
                   long_result[0] if long_result else None)
 
 
-def send(client, model: str, job: Job, max_tokens: int, temperature: float) -> Result:
+def send(client, model: str, job: Job, max_tokens: int, temperature: float,
+         verify: str | None = None) -> Result:
     """One request -> its Result (errors counted by status, never raised)."""
     started, ttft, pieces, tokens, gap = time.perf_counter(), None, [], 0, 0.0
     last = started
     args = dict(model=model, max_tokens=max_tokens, stream=job.stream,
                 temperature=temperature if job.seed is None else 0.8, seed=job.seed)
+    if job.seed is not None and verify is not None:
+        args["extra_body"] = {"verify": verify}
     if job.stream:
         args["stream_options"] = {"include_usage": True}
     try:
@@ -235,13 +240,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default="none", help="the server's --api-key, if any")
     parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                         help="also send one prompt of about this many tokens a second in")
+    parser.add_argument("--verify", choices=("block", "token", "invariant"), default=None,
+                        help="the seeded requests' verification procedure (--mixed)")
     args = parser.parse_args(argv)
     prompts = PROMPTS
     if args.prompts:
         prompts = tuple(line for line in args.prompts.read_text().splitlines() if line.strip())
     report = run_load(args.url, args.requests, args.concurrency, prompts, args.max_tokens,
                       args.temperature, args.chat, mixed=args.mixed, api_key=args.api_key,
-                      long_prompt=args.long_prompt)
+                      long_prompt=args.long_prompt, verify=args.verify)
     print(json.dumps(report.summary(), indent=2))
 
 

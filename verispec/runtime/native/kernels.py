@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from verispec import cpu
+
 log = logging.getLogger("verispec")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")  # includes its parts from kernels/*.h
@@ -29,15 +31,6 @@ PARTS = sorted(Path(__file__).with_name("kernels").glob("*.h"))
 
 def enabled() -> bool:
     return os.environ.get("VERISPEC_KERNELS", "1") != "0"
-
-
-def _cpu_has_bf16() -> bool:
-    """AVX512-BF16 (the flags the kernels need beside it come with it on every such CPU)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags
 
 
 def _build_directory() -> Path:
@@ -60,7 +53,7 @@ def load() -> ModuleType | None:
 
 @functools.cache
 def _build() -> ModuleType | None:
-    if not _cpu_has_bf16():
+    if not cpu.has_bf16():
         log.info("native runtime: this CPU has no AVX512-BF16; the PyTorch path runs")
         return None
     from torch.utils import cpp_extension

@@ -1,0 +1,38 @@
+"""What this CPU can run, as the OS reports it (Linux's /proc/cpuinfo; elsewhere: nothing, so
+the portable paths run). Which kernels run, and which weights a quantized GGUF file is run
+with under the defaults, follow from these."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+
+@functools.cache
+def flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def has_avx2() -> bool:
+    """AVX2, FMA and F16C: the quantised kernels' AVX2 path."""
+    return {"avx2", "fma", "f16c"} <= flags()
+
+
+def has_bf16() -> bool:
+    """AVX512-BF16 (the flags the native kernels need beside it come with it on every such
+    CPU; AMX CPUs have it too): the native runtime's C++ bfloat16 kernels."""
+    return "avx512_bf16" in flags()
+
+
+def runs_bf16_kernels() -> bool:
+    """Whether the native runtime's C++ bfloat16 kernels run here (the CPU has them and
+    VERISPEC_KERNELS is not 0)."""
+    return has_bf16() and os.environ.get("VERISPEC_KERNELS", "1") != "0"
