@@ -76,7 +76,7 @@ def test_a_row_that_raises_fails_alone_and_the_others_go_on(text_target, tokeniz
 
 
 def test_a_long_prompt_is_fed_in_chunks_and_never_stalls_the_others(text_target, tokenizer):
-    chunked = DecodeConfig(prefill_chunk=16)
+    chunked = DecodeConfig(prefill_chunk=16, prefill_knee=10**6)
     decoder = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=3, config=chunked)
     whole = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=3)
     long_prompt = list(range(40, 140)) * 2  # 200 ids: 12 chunks of 16, then its first round
@@ -106,6 +106,10 @@ def test_a_long_prompt_is_fed_in_chunks_and_never_stalls_the_others(text_target,
 def test_chunk_size_is_validated():
     with pytest.raises(ValueError, match="prefill_chunk"):
         DecodeConfig(prefill_chunk=0)
+    with pytest.raises(ValueError, match="prefill_knee"):
+        DecodeConfig(prefill_knee=0)
+    config = DecodeConfig(prefill_chunk=256, prefill_knee=1024)
+    assert [config.chunk_at(fed) for fed in (0, 1024, 5120, 10**6)] == [256, 128, 42, 16]
     with pytest.raises(ValueError, match="cost_batch_sizes"):
         DecodeConfig(cost_batch_sizes=(2, 4))
     assert DecodeConfig().as_dict()["tree_max_batch"] == 1

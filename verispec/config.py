@@ -50,9 +50,13 @@ class DecodeConfig:
     # the prior within a few rounds, so speculation is retried.
     prior_weight: float = 0.5
     estimate_decay: float = 0.85
-    # A prompt longer than this is fed this many tokens a round, so a long prompt arriving in
-    # a running batch delays the other rows' rounds by one chunk's pass, not its whole pass.
+    # A long prompt is fed in chunks, one a round, so a long prompt arriving in a running batch
+    # delays the other rows' rounds by one chunk's pass, not its whole pass. That pass is the
+    # longest wait between two of another stream's tokens, and its attention grows with the
+    # prompt already fed, so chunks shrink as it grows: prefill_chunk tokens at the start,
+    # half that once prefill_knee tokens are in (`chunk_at`), never below 16.
     prefill_chunk: int = 256
+    prefill_knee: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.auto_k_max, int) or not 1 <= self.auto_k_max <= MAX_TREE_NODES:
@@ -74,12 +78,19 @@ class DecodeConfig:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
         if self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16, got {self.prefill_chunk}")
+        if self.prefill_knee < 1:
+            raise ValueError(f"prefill_knee must be >= 1, got {self.prefill_knee}")
         if not 0.0 < self.estimate_decay <= 1.0:
             raise ValueError(f"estimate_decay must be in (0, 1], got {self.estimate_decay}")
 
     def as_dict(self) -> dict:
         """For reports: every knob by name."""
         return asdict(self)
+
+    def chunk_at(self, fed: int) -> int:
+        """The prompt tokens a round feeds once `fed` are in: prefill_chunk / (1 + fed / knee),
+        at least 16. Example: 256, knee 1024: 256 at 0, 128 at 1024, 42 at 5120."""
+        return max(16, int(self.prefill_chunk / (1 + fed / self.prefill_knee)))
 
     def cost_batch_size(self, batch: int) -> int:
         """The measured batch size a batch of `batch` rows is priced at (the next one up)."""

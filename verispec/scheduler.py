@@ -16,7 +16,7 @@ so its output is the one it gets decoded alone (greedy: token for token; sampled
 draws for the same seed while the round's K is the same).
 
 How much each row drafts and verifies is the round planner's (verispec.planner). A prompt
-longer than `DecodeConfig.prefill_chunk` is fed in chunks, one a round, so the other rows'
+longer than a chunk (`DecodeConfig.chunk_at`) is fed in chunks, one a round, so the other rows'
 rounds never wait for a whole long prompt. A round that raises is retried row by row: only
 the rows that raise alone fail (an `Event` with `error`), the others go on unchanged.
 """
@@ -151,7 +151,7 @@ class Scheduler:
         if not running:
             return []
         # 2. Rows still feeding their prompt take a chunk of it; the others decode a round.
-        chunked = [self._prompt_left(r) > self.config.prefill_chunk for r in running]
+        chunked = [self._prompt_left(r) > self._chunk(r) for r in running]
         prefilling = [r for r, c in zip(running, chunked, strict=True) if c]
         decoding = [r for r, c in zip(running, chunked, strict=True) if not c]
         snapshot = [_generator_state(r) for r in running]
@@ -208,9 +208,12 @@ class Scheduler:
         """Prompt tokens not yet in the row's target cache."""
         return request.context - request.prompt_fed
 
+    def _chunk(self, request: Request) -> int:
+        return self.config.chunk_at(request.prompt_fed)
+
     def _prefill_round(self, request: Request) -> Round:
         """The prompt's next chunk, fed for its keys and values alone (its logits unused)."""
-        request.prompt_fed += self.config.prefill_chunk
+        request.prompt_fed += self._chunk(request)
         return Round(empty_draft(), request.history[: request.prompt_fed], 1)
 
     def _retry_alone(self, running: list[Request], snapshot: list[torch.Tensor | None]
@@ -222,7 +225,7 @@ class Scheduler:
         for request, state in zip(running, snapshot, strict=True):
             if state is not None:
                 request.generator.set_state(state)
-            chunk = self._prompt_left(request) > self.config.prefill_chunk
+            chunk = self._prompt_left(request) > self._chunk(request)
             try:
                 verified = self._round([request] if chunk else [], [] if chunk else [request])
             except Exception as error:  # noqa: BLE001 - this row's own failure
