@@ -118,6 +118,17 @@ def test_draft_methods_sweep_llama_cpp_settings(fake_llama, tmp_path):
     methods[3].server.close()
 
 
+def test_plots_take_speculative_runs_without_a_pass_count(tmp_path):
+    """llama.cpp's speculative runs report drafted and accepted tokens but no passes (0): the
+    tokens-per-pass plot leaves them out instead of dividing by zero."""
+    from verispec.bench import plots
+
+    record = {"method": "llama.cpp-draft[n=3,p=0]", "accepted": 5, "checked": 10,
+              "new_tokens": 8, "target_forwards": 0}
+    plots._tau_vs_gamma([record], {record["method"]: {}}, tmp_path / "tau.png")
+    assert (tmp_path / "tau.png").is_file()
+
+
 def test_a_short_answer_is_an_error(fake_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_SHORT", "1")
     methods, _ = llamacpp.build_methods(("llama.cpp",), fake_llama, tmp_path / "t.gguf", None, 1)

@@ -59,7 +59,9 @@ def _tau_vs_gamma(records, methods, path) -> None:
                 label=f"formula, K={k}")
     for name in methods:
         points = [(r["accepted"] / r["checked"], r["new_tokens"] / r["target_forwards"])
-                  for r in records if r["method"] == name and r.get("checked")]
+                  # llama.cpp's speculative runs report no pass count (0): not plotted
+                  for r in records if r["method"] == name and r.get("checked")
+                  and r.get("target_forwards")]
         if points:
             ax.scatter(*zip(*points, strict=True), s=14, label=f"{name} (per prompt)")
     ax.set_xlabel("measured acceptance rate γ")
