@@ -214,7 +214,7 @@ def run_costs(args: argparse.Namespace) -> int:
     from verispec.drafters.load import load_drafter
     from verispec.runtime import make_runner
 
-    dequantize = loading.weights_for(dequantize_arg(args), args.device)
+    dequantize = dequantize_arg(args)
     model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device,
                                     dequantize=dequantize)
     drafter = load_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,

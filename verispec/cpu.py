@@ -32,7 +32,11 @@ def has_bf16() -> bool:
     return "avx512_bf16" in flags()
 
 
+def kernels_enabled() -> bool:
+    """VERISPEC_KERNELS=0 turns verispec's compiled kernels off (both families)."""
+    return os.environ.get("VERISPEC_KERNELS", "1") != "0"
+
+
 def runs_bf16_kernels() -> bool:
-    """Whether the native runtime's C++ bfloat16 kernels run here (the CPU has them and
-    VERISPEC_KERNELS is not 0)."""
-    return has_bf16() and os.environ.get("VERISPEC_KERNELS", "1") != "0"
+    """Whether the native runtime's C++ bfloat16 kernels run here."""
+    return has_bf16() and kernels_enabled()

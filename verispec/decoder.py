@@ -170,8 +170,7 @@ class SpeculativeDecoder:
         check_tree_width(sampled_tree_width)
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-        dequantize = loading.weights_for(dequantize, device)
-        if dequantize is None and (runtime == "hf" or int8):  # these run on dense weights
+        if runtime == "hf" or int8:  # these run on dense weights
             dequantize = "bf16"
         model, tokenizer = loading.load(target, dtype=dtype, device=device,
                                         dequantize=dequantize)

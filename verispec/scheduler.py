@@ -151,9 +151,9 @@ class Scheduler:
         if not running:
             return []
         # 2. Rows still feeding their prompt take a chunk of it; the others decode a round.
-        chunked = [self._prompt_left(r) > self._chunk(r) for r in running]
-        prefilling = [r for r, c in zip(running, chunked, strict=True) if c]
-        decoding = [r for r, c in zip(running, chunked, strict=True) if not c]
+        feeding = [self._feeding(r) for r in running]
+        prefilling = [r for r, f in zip(running, feeding, strict=True) if f]
+        decoding = [r for r, f in zip(running, feeding, strict=True) if not f]
         snapshot = [_generator_state(r) for r in running]
         try:
             verified = self._round(prefilling, decoding)
@@ -211,6 +211,11 @@ class Scheduler:
     def _chunk(self, request: Request) -> int:
         return self.config.chunk_at(request.prompt_fed)
 
+    def _feeding(self, request: Request) -> bool:
+        """Whether the row's round feeds a chunk of its prompt (more than a chunk is left);
+        the last chunk goes with its first decoding round."""
+        return self._prompt_left(request) > self._chunk(request)
+
     def _prefill_round(self, request: Request) -> Round:
         """The prompt's next chunk, fed for its keys and values alone (its logits unused)."""
         request.prompt_fed += self._chunk(request)
@@ -225,7 +230,7 @@ class Scheduler:
         for request, state in zip(running, snapshot, strict=True):
             if state is not None:
                 request.generator.set_state(state)
-            chunk = self._prompt_left(request) > self._chunk(request)
+            chunk = self._feeding(request)
             try:
                 verified = self._round([request] if chunk else [], [] if chunk else [request])
             except Exception as error:  # noqa: BLE001 - this row's own failure

@@ -35,9 +35,9 @@ class BenchConfig:
     dtype: str = "auto"  # verispec's runners (see make_runner); hf-* run float32 under auto
     runtime: str = "auto"  # auto | hf | native, for verispec's methods
     int8: bool = False  # weight-only int8 (native runtime), verispec's methods
-    # None: a quantized GGUF target (and draft) run at their own bit width (dtype auto, native);
-    # "bf16": transformers dequantises them (and the hf-* methods always need that)
-    dequantize: str | None = "auto"  # loading.weights_for
+    # how a quantized GGUF target (and draft) run: "auto" (loading.weights_for), None (their own
+    # bit width) or "bf16" (dequantised by transformers, as the hf-* methods always need)
+    dequantize: str | None = "auto"
     seed: int = 0
     ignore_eos: bool = True  # fixed-length outputs: every method generates max_new_tokens
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example

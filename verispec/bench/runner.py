@@ -38,7 +38,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     # 1. Models, loaded once and shared by every method.
     dense = config.runtime == "hf" or config.int8 or any(m.startswith("hf-")
                                                           for m in config.methods)
-    dequantize = "bf16" if dense else loading.weights_for(config.dequantize)
+    dequantize = "bf16" if dense else config.dequantize
     model, tokenizer = loading.load(config.target, dtype=config.dtype, dequantize=dequantize)
     draft_model, assistant_model, head_token_ids, feature_drafter = None, None, None, None
     draft = config.draft

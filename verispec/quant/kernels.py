@@ -94,7 +94,7 @@ def _build(path: str) -> ModuleType | None:
 @functools.cache
 def _active() -> tuple[str, ModuleType | None]:
     wanted = os.environ.get("VERISPEC_KERNELS", "1")
-    if wanted == "0":
+    if not cpu.kernels_enabled():
         log.info("quantised kernels: off (VERISPEC_KERNELS=0); products in PyTorch")
         return "off", None
     for path in ("scalar",) if wanted == "scalar" or not cpu.has_avx2() else ("avx2", "scalar"):

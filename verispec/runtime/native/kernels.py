@@ -29,10 +29,6 @@ SOURCE = Path(__file__).with_name("kernels.cpp")  # includes its parts from kern
 PARTS = sorted(Path(__file__).with_name("kernels").glob("*.h"))
 
 
-def enabled() -> bool:
-    return os.environ.get("VERISPEC_KERNELS", "1") != "0"
-
-
 def _build_directory() -> Path:
     """One folder per torch version and kernel source (kernels.cpp and its parts): a process
     that has the library loaded never sees it rebuilt under it by another verispec version."""
@@ -48,7 +44,7 @@ def _build_directory() -> Path:
 def load() -> ModuleType | None:
     """The compiled kernels, or None where they cannot run here (said once in the log). The
     module's `isa` says what its products run on: "amx" or "avx512-bf16"."""
-    return _build() if enabled() else None
+    return _build() if cpu.kernels_enabled() else None
 
 
 @functools.cache
