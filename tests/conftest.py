@@ -84,6 +84,19 @@ def model_folders(tmp_path_factory, tokenizer, text_target, text_draft):
     return root
 
 
+def feature_drafter(model, vocab: int, tree_width: int = 1):
+    """An untrained feature head (the target's last layer, fc passing the feature through),
+    drafting trees tree_width wide for greedy and sampled rows."""
+    from verispec.distill.feature import FeatureHead
+    from verispec.drafters.feature import FeatureDrafter
+    from verispec.runtime.native.llama import LlamaShape
+
+    head = FeatureHead(LlamaShape.from_config(model.config))
+    head.init_from(model)
+    return FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab,
+                          tree_width=tree_width, sampled_tree_width=tree_width)
+
+
 def perturbed_copy(model, noise: float, seed: int):
     """The model with gaussian noise on every weight: a draft that agrees with it often, not
     always, so both accepted and rejected paths are exercised."""

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import EOS_ID, always_accept_rows, byte_tokenizer, chi2_pvalue, tiny_llama
+from conftest import (
+    EOS_ID,
+    always_accept_rows,
+    byte_tokenizer,
+    chi2_pvalue,
+    feature_drafter,
+    tiny_llama,
+)
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec import scheduler as scheduler_module
@@ -307,15 +314,6 @@ V = 8
 PROMPT = [1, 2, 3, 1, 2]
 SAMPLES = 3000
 PARAMS = SamplingParams(temperature=1.0)
-
-
-def feature_drafter(model, vocab: int, tree_width: int = 1) -> FeatureDrafter:
-    """An untrained feature head (the target's last layer, fc passing the feature through),
-    drafting trees tree_width wide for greedy and sampled rows."""
-    head = FeatureHead(LlamaShape.from_config(model.config))
-    head.init_from(model)
-    return FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab,
-                          tree_width=tree_width, sampled_tree_width=tree_width)
 
 
 def native_joint_of_tokens_2_and_3(model) -> torch.Tensor:

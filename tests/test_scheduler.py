@@ -1,16 +1,20 @@
 """The one decode loop: a lone prompt is a batch of one; a failing row fails alone; a long
-prompt is fed in chunks without stalling the other rows; a draft asked for nothing is not run."""
+prompt is fed in chunks, its drafter reading it a chunk a round too, without stalling the other
+rows; a draft asked for nothing is not run."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from conftest import EOS_ID, perturbed_copy
+import torch
+from conftest import EOS_ID, feature_drafter, perturbed_copy, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.config import DecodeConfig
 from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.drafters.feature import _FeatureModel
+from verispec.runtime import HFRunner, make_runner
 from verispec.scheduler import Scheduler
 
 POISON = 7  # a token id no prompt below holds, except the poisoned one
@@ -101,6 +105,68 @@ def test_a_long_prompt_is_fed_in_chunks_and_never_stalls_the_others(text_target,
     assert stalled == 0  # a token (or more) for the short row every round
     assert prefill_rounds >= len(long_prompt) // 16 - 1  # the long prompt did come in chunks
     assert ids[first] == short_alone and ids[second] == long_alone
+
+
+def drafter_with_spy(kind: str, text_target, monkeypatch) -> tuple:
+    """(target, runtime, drafter, reads): a draft model or a feature draft for the target,
+    and the list every draft pass appends its rows' positions to, one count a row."""
+    reads: list[int] = []
+    if kind == "draft model":
+        draft = perturbed_copy(text_target, 0.02, 0)
+        forward = HFRunner._forward
+
+        def spied(runner, new_ids, start, num_logits):
+            if runner.model is draft:
+                reads.append(int(new_ids.numel()))
+            return forward(runner, new_ids, start, num_logits)
+
+        monkeypatch.setattr(HFRunner, "_forward", spied)
+        return text_target, "auto", ModelDrafter(make_runner(draft), EOS_ID + 1), reads
+    target = tiny_llama(EOS_ID + 1, seed=0, dtype=torch.float32)  # the native runtime's
+    step_rows = _FeatureModel.step_rows
+
+    def spied_rows(model, passes, taps=None, trees=None):
+        reads.extend(int(ids.numel()) for _, _, ids, _ in passes)
+        return step_rows(model, passes, taps, trees)
+
+    monkeypatch.setattr(_FeatureModel, "step_rows", spied_rows)
+    return target, "native", feature_drafter(target, EOS_ID + 1), reads
+
+
+@pytest.mark.parametrize("kind", ["draft model", "feature draft"])
+def test_a_long_prompts_drafter_reads_it_a_chunk_a_round(kind, text_target, tokenizer,
+                                                         monkeypatch):
+    """The drafters of long prompts arriving beside a decoding row read them chunk by chunk
+    with the target (Drafter.catch_up), not in one pass at their first proposal, which stalled
+    every other row's round: no draft pass reads more than a chunk (and the token after it) of
+    a row. Outputs stay the solo ones: greedy the target's own, sampled the same draws."""
+    target, runtime, drafter, reads = drafter_with_spy(kind, text_target, monkeypatch)
+    chunk = 16
+    chunked = DecodeConfig(prefill_chunk=chunk, prefill_knee=10**6)  # 16 tokens a round
+    decoder = SpeculativeDecoder(target, tokenizer, drafter, k=3, runtime=runtime,
+                                 config=chunked)
+    plain = SpeculativeDecoder(target, tokenizer, None, runtime=runtime, config=chunked)
+    long_prompt = list(range(40, 140)) * 2  # 200 ids: 12 chunks of 16, then its first round
+    sampled = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    short = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    # first, on cold caches as in the batch (a prompt already cached lets the first round
+    # draft, and a sampled row with another K makes other draws)
+    sampled_alone = decoder.generate(long_prompt, sampled).token_ids
+    long_alone = plain.generate(long_prompt, PARAMS).token_ids
+    assert decoder.generate(long_prompt, PARAMS).token_ids == long_alone  # lossless
+    short_alone = decoder.generate(SHORT, short).token_ids
+    scheduler = Scheduler(decoder, max_batch=4)
+    first = scheduler.add(SHORT, short)
+    ids = {first: scheduler.step()[0].token_ids}  # decoding when the long prompts arrive
+    greedy_long, sampled_long = (scheduler.add(long_prompt, p) for p in (PARAMS, sampled))
+    ids |= {greedy_long: [], sampled_long: []}
+    reads.clear()
+    while scheduler.has_work:
+        for event in scheduler.step():
+            ids[event.request_id].extend(event.token_ids)
+    assert max(reads) <= chunk + 1 and sum(reads) >= 2 * len(long_prompt)  # both prompts read
+    assert ids[first] == short_alone and ids[greedy_long] == long_alone
+    assert ids[sampled_long] == sampled_alone
 
 
 def test_chunk_size_is_validated():

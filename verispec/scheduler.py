@@ -16,9 +16,11 @@ so its output is the one it gets decoded alone (greedy: token for token; sampled
 draws for the same seed while the round's K is the same).
 
 How much each row drafts and verifies is the round planner's (verispec.planner). A prompt
-longer than a chunk (`DecodeConfig.chunk_at`) is fed in chunks, one a round, so the other rows'
-rounds never wait for a whole long prompt. A round that raises is retried row by row: only
-the rows that raise alone fail (an `Event` with `error`), the others go on unchanged.
+longer than a chunk (`DecodeConfig.chunk_at`) is fed in chunks, one a round, and its drafter
+reads each chunk in the same round (`Drafter.catch_up`), so the other rows' rounds never wait
+for a whole long prompt, the target's pass over it or the drafter's. A round that raises is
+retried row by row: only the rows that raise alone fail (an `Event` with `error`), the others
+go on unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter, empty_draft, follow_target
+from verispec.drafters.base import Draft, Drafter, catch_up, empty_draft, follow_target
 from verispec.drafters.batch import propose_batch
 from verispec.drafters.prediction import PredictionLookup, is_prediction
 from verispec.params import SamplingParams
@@ -201,7 +203,11 @@ class Scheduler:
         rows = decoding + prefilling
         logits = batched_logits([r.runner for r in rows], [rd.ids for rd in rounds],
                                 [rd.num_logits for rd in rounds], [rd.parents for rd in rounds])
-        # 4. Verify every decoding row.
+        # 4. Rows feeding their prompt: their drafters read the chunk the target just took (a
+        #    feature draft needs its features), not the whole prompt at their first proposal.
+        for request in prefilling:
+            catch_up(request.drafter, request.history[: request.prompt_fed + 1])
+        # 5. Verify every decoding row.
         return verify_round(decoding, rounds[: len(decoding)], logits[: len(decoding)])
 
     def _prompt_left(self, request: Request) -> int:

@@ -74,6 +74,10 @@ class Draft:
 
 
 class Drafter(Protocol):
+    """What every drafter does. Two methods are optional (called through the helpers below
+    when a drafter has them): `follow(runner)`, for one that reads the target's hidden states,
+    and `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in."""
+
     name: str
 
     def propose(
@@ -104,3 +108,16 @@ def follow_target(drafter: Drafter | None, runner) -> None:
     follow = getattr(drafter, "follow", None)
     if follow is not None:
         follow(runner)
+
+
+def catch_up(drafter: Drafter | None, prefix_ids: torch.Tensor) -> None:
+    """Let a drafter with state (one with `catch_up`: a draft model's KV cache, a feature
+    draft's pairs) read what it can of a prompt the target is still taking in chunks.
+    prefix_ids [n]: the prompt so far, its first n - 1 tokens in the target's cache (as a
+    history is at a proposal). Only a head start: a drafter still reads whatever is left at its
+    next proposal, so the output is the target's with or without it (greedy: token for token;
+    a seeded sampled row may draw otherwise where the draft's prompt pass rounds differently in
+    chunks, as on the native runtime in bfloat16). Lookups need nothing."""
+    read = getattr(drafter, "catch_up", None)
+    if read is not None:
+        read(prefix_ids)

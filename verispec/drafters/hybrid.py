@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, follow_target
+from verispec.drafters.base import Draft, catch_up, follow_target
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
@@ -34,6 +34,10 @@ class HybridDrafter:
     def follow(self, runner) -> None:
         """Tie a feature draft to the target runner of this sequence (nothing for a model)."""
         follow_target(self.model, runner)
+
+    def catch_up(self, prefix_ids: torch.Tensor) -> None:
+        """The draft model reads the prompt so far (the lookup keeps no state)."""
+        catch_up(self.model, prefix_ids)
 
     def reset(self) -> None:
         self.model.reset()

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.base import Draft, empty_draft
 from verispec.params import SamplingParams
-from verispec.runtime import HFRunner, Runner, batched_logits
+from verispec.runtime import HFRunner, Runner, batched_logits, common_prefix
 from verispec.sampling import draw, greedy_tokens, warp
 
 
@@ -42,6 +42,13 @@ class ModelDrafter:
         generator: torch.Generator | None,
     ) -> Draft:
         return propose_together([self], [history], [k], [params], [generator])[0]
+
+    def catch_up(self, prefix_ids: torch.Tensor) -> None:
+        """Feed prefix_ids [n] (a prompt as far as the target has taken it) into the draft's
+        cache now, so its first proposal feeds only the rest: a long prompt's draft prefill
+        then comes a chunk a round, beside the target's chunks, instead of in one pass."""
+        if common_prefix(self.runner.cached_ids, prefix_ids) < prefix_ids.numel():
+            self.runner.logits(prefix_ids, 1)
 
     def fork(self) -> ModelDrafter:
         """A drafter for another sequence: same weights, its own cache."""
