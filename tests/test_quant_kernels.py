@@ -1,7 +1,7 @@
-"""The quantised-weight kernels (verispec.quant.kernels) on both paths, AVX2 and portable:
-exact dequantisation against gguf-py, products against an fp32 reference within the bound the
-int8 activations allow, and a row's output the same bits whatever rows and threads share the
-call (batch invariance), the same bits on both paths."""
+"""The quantised-weight kernels (verispec.quant.kernels) on every path this CPU runs (AVX512-VNNI,
+AVX2, portable): exact dequantisation against gguf-py, products against an fp32 reference within
+the bound the int8 activations allow, a row's output the same bits whatever rows and threads
+share the call (batch invariance), and the same bits on every path."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ HALVES = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
           T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 CODES = {T.Q4_0: (2, 18), T.Q4_1: (4, 20), T.Q5_0: (2, 22), T.Q5_1: (4, 24), T.Q8_0: (2, 34),
          T.Q4_K: (16, 144), T.Q5_K: (16, 176), T.Q6_K: (0, 192)}
-PATHS = [path for path in ("scalar", "avx2") if kernels.load(path) is not None]
+PATHS = [path for path in ("scalar", "avx2", "avx512") if kernels.load(path) is not None]
 
 
 def row_values(qtype) -> int:
@@ -181,18 +181,19 @@ def test_a_rows_output_does_not_depend_on_the_other_rows_or_threads(path, qtype)
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU runs only the portable path")
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "scalar"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_both_paths_give_the_same_bits(qtype):
+def test_every_path_gives_the_portable_paths_bits(path, qtype):
     k = row_values(qtype)
     for seed in (0, 1):
         weight = weights(qtype, 33, k, seed)
         x = activations(19, k, seed)
-        scalar, avx2 = (kernels.load(p).matmul(x, weight, int(qtype)) for p in ("scalar", "avx2"))
-        assert torch.equal(bits(scalar), bits(avx2))
+        portable, fast = (kernels.load(p).matmul(x, weight, int(qtype)) for p in ("scalar", path))
+        assert torch.equal(bits(portable), bits(fast))
 
 
-@pytest.mark.parametrize("setting, expected", [("scalar", "scalar"), ("0", "off")])
+@pytest.mark.parametrize("setting, expected", [("scalar", "scalar"), ("0", "off")] +
+                         ([("avx2", "avx2")] if "avx2" in PATHS else []))
 def test_the_environment_chooses_the_path(setting, expected):
     code = ("import torch; from verispec.quant import kernels; from gguf import "
             "GGMLQuantizationType as T; print(kernels.path); "
@@ -241,3 +242,66 @@ def test_bad_input_is_refused_with_a_clear_message():
         kernels.matmul(x.to(torch.int32), weight, T.Q4_K)
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\)"):
         kernels.get_rows(weight, T.Q4_K, torch.tensor([0, 4]))
+
+
+# (d) panels: weights repacked by 16 rows, multiplied 16 outputs at a time (panels.h) -----------
+
+PANEL_TYPES = [T.Q4_K, T.Q6_K]
+PANEL_PATHS = [p for p in PATHS if kernels.load(p).panel_types()]
+
+
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+def test_panel_order_reference_is_within_the_activation_bound(qtype):
+    """The plain C++ reference of the panel order (every path has it) against float64."""
+    module = kernels.load(PATHS[0])
+    for seed in (0, 1):
+        weight = weights(qtype, 32, 768, seed)
+        x = activations(5, 768, seed)
+        y = module.matmul_panels_reference(x, weight, int(qtype))
+        exact = x.double() @ reference(weight, qtype).double().T
+        assert torch.all((y.double() - exact).abs() <= error_bound(x, weight, qtype))
+
+
+@pytest.mark.skipif(not PANEL_PATHS, reason="no kernel path with panels runs on this CPU")
+@pytest.mark.parametrize("path", PANEL_PATHS)
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+def test_packed_products_are_the_panel_orders_bits(path, qtype):
+    """Packing and the kernel together give the reference's bits, from the file's blocks."""
+    module = kernels.load(path)
+    for seed, (n, k) in enumerate([(48, 512), (16, 256), (32, 1536)]):
+        weight = weights(qtype, n, k, seed)
+        x = activations(19, k, seed)
+        packed = module.pack(weight, int(qtype))
+        assert packed.shape[0] == n // 16
+        assert torch.equal(bits(module.matmul_panels(x, packed, int(qtype), k)),
+                           bits(module.matmul_panels_reference(x, weight, int(qtype))))
+
+
+@pytest.mark.skipif(not PANEL_PATHS, reason="no kernel path with panels runs on this CPU")
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+def test_a_rows_packed_output_does_not_depend_on_the_other_rows_or_threads(qtype):
+    module = kernels.load(PANEL_PATHS[0])
+    weight = weights(qtype, 32, 512, 1)
+    packed = module.pack(weight, int(qtype))
+    x = activations(40, 512, 7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = module.matmul_panels(x, packed, int(qtype), 512)  # [40, 32]
+        for rows in range(1, 41):  # tiles of 16 cut them differently; 1-8 are unrolled
+            assert torch.equal(bits(module.matmul_panels(x[:rows], packed, int(qtype), 512)),
+                               bits(together[:rows])), rows
+        torch.set_num_threads(1)
+        assert torch.equal(bits(module.matmul_panels(x, packed, int(qtype), 512)),
+                           bits(together))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_panels_refuse_what_they_cannot_hold():
+    if not kernels.panel_types():
+        pytest.skip("the active path multiplies no type as panels")
+    with pytest.raises(ValueError, match="no panel layout"):
+        kernels.pack(weights(T.Q4_K, 24, 256, 1), T.Q4_K)  # 24 rows: not whole panels
+    with pytest.raises(ValueError, match="no panel layout"):
+        kernels.pack(weights(T.Q8_0, 16, 256, 1), T.Q8_0)

@@ -26,6 +26,11 @@ def has_avx2() -> bool:
     return {"avx2", "fma", "f16c"} <= flags()
 
 
+def has_avx512_vnni() -> bool:
+    """AVX-512 F/BW/VL with VNNI (and AVX2, FMA, F16C): the quantised kernels' AVX-512 path."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags() and has_avx2()
+
+
 def has_bf16() -> bool:
     """AVX512-BF16 (the flags the native kernels need beside it come with it on every such
     CPU; AMX CPUs have it too): the native runtime's C++ bfloat16 kernels."""

@@ -16,9 +16,10 @@ x @ dequantize(weight).T comes from the activation codes: at most d_x / 2 (d_x =
 over the element's block) times |w| per element.
 
 Paths, chosen once per process at first use (`path` says which; a log line too):
-"avx2" where the CPU has AVX2, FMA and F16C; "scalar" (portable C++) otherwise. Both give the
-same bits. VERISPEC_KERNELS=scalar forces the portable path; VERISPEC_KERNELS=0 turns the
-extension off ("off": products then run in PyTorch over dequantised weights, not batch
+"avx512" where the CPU has AVX-512 F/BW/VL and VNNI (AMD Zen 4 and later, Intel Ice Lake and
+later), "avx2" where it has AVX2, FMA and F16C, "scalar" (portable C++) otherwise. All three
+give the same bits. VERISPEC_KERNELS=avx2 or =scalar forces that path; VERISPEC_KERNELS=0 turns
+the extension off ("off": products then run in PyTorch over dequantised weights, not batch
 invariant). Each path is a C++ extension built with the system compiler on first use (~1 min)
 and cached in $XDG_CACHE_HOME/verispec/quant-kernels (by default ~/.cache/...).
 """
@@ -46,7 +47,12 @@ TYPES = tuple(GGMLQuantizationType[name] for name in
 # -ffp-contract=off: dequantisation must round each product and sum as NumPy does, and the
 # products' FMAs are written out, so that both paths run the same operations.
 FLAGS = {"scalar": ["-O3", "-fopenmp", "-ffp-contract=off"],
-         "avx2": ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c"]}
+         "avx2": ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c"],
+         "avx512": ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c",
+                    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]}
+# The fastest path first; each one runs where its check says so.
+RUNS_HERE = {"avx512": lambda: cpu.has_avx512_vnni(), "avx2": lambda: cpu.has_avx2(),
+             "scalar": lambda: True}
 
 
 def __getattr__(name: str):  # `path` is decided (and the extension built) at first use
@@ -56,11 +62,11 @@ def __getattr__(name: str):  # `path` is decided (and the extension built) at fi
 
 
 def load(path: str) -> ModuleType | None:
-    """The compiled kernels of one path ("avx2" or "scalar"), or None where they cannot run or
-    build here. Tests load both paths in one process to compare them."""
+    """The compiled kernels of one path ("avx512", "avx2" or "scalar"), or None where they cannot
+    run or build here. Tests load every path in one process to compare them."""
     if path not in FLAGS:
         raise ValueError(f"unknown kernel path {path!r}; the paths are {sorted(FLAGS)}")
-    if path == "avx2" and not cpu.has_avx2():
+    if not RUNS_HERE[path]():
         return None
     return _build(path)
 
@@ -97,7 +103,10 @@ def _active() -> tuple[str, ModuleType | None]:
     if not cpu.kernels_enabled():
         log.info("quantised kernels: off (VERISPEC_KERNELS=0); products in PyTorch")
         return "off", None
-    for path in ("scalar",) if wanted == "scalar" or not cpu.has_avx2() else ("avx2", "scalar"):
+    paths = list(RUNS_HERE)
+    if wanted in paths:  # VERISPEC_KERNELS=avx2 or =scalar: that path or a slower one
+        paths = paths[paths.index(wanted):]
+    for path in paths:
         module = load(path)
         if module is not None:
             log.info("quantised kernels: %s path", path)
@@ -187,3 +196,29 @@ def get_rows(weight: torch.Tensor, qtype, ids: torch.Tensor) -> torch.Tensor:
     else:
         rows = module.get_rows(weight.contiguous(), int(qtype), flat)
     return rows.reshape(*ids.shape, K)
+
+
+def panel_types() -> frozenset[int]:
+    """The GGUF types the active path multiplies as panels of 16 weight rows (kernels/panels.h:
+    Q4_K and Q6_K on the AVX-512 path), empty elsewhere."""
+    module = _active()[1]
+    return frozenset(module.panel_types()) if module is not None else frozenset()
+
+
+def pack(weight: torch.Tensor, qtype) -> torch.Tensor:
+    """weight [N, row_bytes] (N a multiple of 16, a type of `panel_types()`) as panels:
+    [N / 16, panel bytes], the layout `matmul_panels` reads."""
+    qtype, _, _ = _layout(qtype)
+    row_length(weight, qtype)
+    if int(qtype) not in panel_types() or weight.shape[0] % 16:
+        raise ValueError(f"{qtype.name} [{weight.shape[0]}, ...] has no panel layout on the "
+                         f"{_active()[0]} path (panel types: {sorted(panel_types())}, rows a "
+                         "multiple of 16)")
+    return _active()[1].pack(weight.contiguous(), int(qtype))
+
+
+def matmul_panels(x: torch.Tensor, panels: torch.Tensor, qtype, features: int) -> torch.Tensor:
+    """y [R, N] float32 = x [R, K] times the packed weight's rows, in panels.h's order."""
+    qtype, _, _ = _layout(qtype)
+    rows = x.reshape(-1, features).to(torch.float32).contiguous()
+    return _active()[1].matmul_panels(rows, panels, int(qtype), features)

@@ -8,8 +8,10 @@ in a log line. `QuantLinear` is y = x W^T + b over one; indexing a `QuantMatrix`
 dequantised rows (the embedding lookup, and the head rows a feature draft reads).
 
 Products run on `verispec.quant.kernels` (C++, int8 activations per block) where it is built,
-else in PyTorch (`verispec.quant.fallback`). Both are batch-invariant: a row's result does not
-depend on how many rows share the call.
+else in PyTorch (`verispec.quant.fallback`). Where the kernel path multiplies a type as panels
+(AVX512-VNNI: Q4_K, Q6_K), a layer repacks its weight once when it is built (a copy in memory
+the size of the file's tensor) and multiplies 16 outputs at a time. All are batch-invariant: a
+row's result does not depend on how many rows share the call.
 """
 
 from __future__ import annotations
@@ -117,12 +119,16 @@ class QuantLinear:
         if self.bias is not None and self.bias.shape != (self.out_features,):
             raise ValueError(f"{weight.name}: bias {tuple(self.bias.shape)} for "
                              f"{self.out_features} outputs")
+        self.panels = _panels(weight)  # [N / 16, ...] uint8, or None: the file's layout
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if not weight.quantized:  # a plain tensor: per-row products, as the fallback's
             dense = weight.data.float()  # [N, K]
             y = torch.stack([torch.mv(dense, row) for row in x.float()])
+        elif self.panels is not None:
+            y = kernels().matmul_panels(x.float().contiguous(), self.panels, weight.qtype,
+                                        self.in_features)
         elif (module := kernels()) is not None:
             y = module.matmul(x.float().contiguous(), weight.data, weight.qtype)
         else:
@@ -130,6 +136,16 @@ class QuantLinear:
         if self.bias is not None:
             y = y + self.bias
         return y if self.order is None else y[:, self.order]
+
+
+def _panels(weight: QuantMatrix) -> torch.Tensor | None:
+    """The weight repacked as panels of 16 rows where this CPU's kernel path multiplies its type
+    that way (verispec/quant/kernels/panels.h), else None."""
+    module = kernels()
+    if (module is None or not weight.quantized or weight.shape[0] % 16
+            or int(weight.qtype) not in module.panel_types()):
+        return None
+    return module.pack(weight.data, weight.qtype)
 
 
 class ConcatLinear:

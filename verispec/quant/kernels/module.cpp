@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace vq {
 
 inline int64_t row_length(const torch::Tensor& weight, int64_t type) {
@@ -55,6 +57,107 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_
   return y;
 }
 
+// Activations quantised row by row (dot.h's and panels.h's codes), with the panel sums.
+struct Quantised {
+  torch::Tensor codes, scales, sums, s32, b16;
+  Activations view() const {
+    return {codes.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(),
+            codes.size(1)};
+  }
+  PanelSums panel_sums_view() const { return {s32.data_ptr<float>(), b16.data_ptr<int32_t>()}; }
+};
+
+inline Quantised quantise_for_panels(const torch::Tensor& x, int64_t K) {
+  const int64_t R = x.size(0), padded = padded_length(K);
+  Quantised q{torch::empty({R, padded}, torch::kInt8), torch::empty({R, padded / QK}, torch::kFloat32),
+              torch::empty({R, padded / 16}, torch::kFloat32),
+              torch::empty({R, padded / QK}, torch::kFloat32),
+              torch::empty({R, padded / 16}, torch::kInt32)};
+  const Activations acts = q.view();
+  const float* xs = x.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; r++) {
+      quantize_row(xs + r * K, K, padded, q.codes.data_ptr<int8_t>() + r * padded,
+                   q.scales.data_ptr<float>() + r * (padded / QK),
+                   q.sums.data_ptr<float>() + r * (padded / 16));
+      panel_sums(acts, r, q.s32.data_ptr<float>() + r * (padded / QK),
+                 q.b16.data_ptr<int32_t>() + r * (padded / 16));
+    }
+  });
+  return q;
+}
+
+inline void check_panels(const torch::Tensor& weight, int64_t type) {
+  TORCH_CHECK(has_panels(int(type)), "GGUF type ", type, " has no panel layout");
+  TORCH_CHECK(weight.size(0) % PANEL == 0, "panels need a multiple of 16 rows");
+}
+
+// The file-layout weight [N, row_bytes] as panels of 16 rows: [N / 16, K / 256 * panel bytes].
+torch::Tensor pack(const torch::Tensor& weight, int64_t type) {
+  const int64_t K = row_length(weight, type);
+  check_panels(weight, type);
+  const int64_t panels = weight.size(0) / PANEL, bytes = K / QK_K * panel_block_bytes(int(type));
+  auto out = torch::empty({panels, bytes}, torch::kUInt8);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = weight.size(1);
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; p++) {
+      if (type == Q4_K) pack_panel<Q4_K>(w, row_bytes, PANEL * p, K, o + p * bytes);
+      else pack_panel<Q6_K>(w, row_bytes, PANEL * p, K, o + p * bytes);
+    }
+  });
+  return out;
+}
+
+// y [R, N] = x [R, K] . the packed weight's rows, in panels.h's order, on this path's kernel.
+torch::Tensor matmul_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t type,
+                            int64_t K) {
+  const PanelFn kernel = panels_for(int(type));
+  TORCH_CHECK(kernel != nullptr, "the ", path_name(), " path has no panel kernel for type ", type);
+  TORCH_CHECK(K > 0 && K % QK_K == 0 && panels.dim() == 2 &&
+              panels.scalar_type() == torch::kUInt8 && panels.is_contiguous() &&
+              panels.size(1) == K / QK_K * panel_block_bytes(int(type)),
+              "panels must be a contiguous uint8 [N / 16, K / 256 * panel bytes] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+              x.size(1) == K, "x must be a contiguous float32 [R, K] tensor");
+  const int64_t R = x.size(0), N = panels.size(0) * PANEL, bytes = panels.size(1);
+  const Quantised q = quantise_for_panels(x, K);
+  const Activations acts = q.view();
+  const PanelSums sums = q.panel_sums_view();
+  auto y = torch::empty({R, N}, torch::kFloat32);
+  float* out = y.data_ptr<float>();
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; p++)
+      for (int64_t r0 = 0; r0 < R; r0 += MAX_TILE)
+        kernel(w + p * bytes, K, acts, sums, r0, std::min<int64_t>(MAX_TILE, R - r0),
+               out + r0 * N + PANEL * p, N);
+  });
+  return y;
+}
+
+// panels.h's order in plain C++ from the file-layout weight: what matmul_panels must give.
+torch::Tensor matmul_panels_reference(const torch::Tensor& x, const torch::Tensor& weight,
+                                      int64_t type) {
+  const int64_t K = row_length(weight, type);
+  TORCH_CHECK(has_panels(int(type)), "GGUF type ", type, " has no panel layout");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+              x.size(1) == K, "x must be a contiguous float32 [R, K] tensor");
+  const int64_t R = x.size(0), N = weight.size(0), row_bytes = weight.size(1);
+  const Quantised q = quantise_for_panels(x, K);
+  const Activations acts = q.view();
+  const PanelSums sums = q.panel_sums_view();
+  auto y = torch::empty({R, N}, torch::kFloat32);
+  float* out = y.data_ptr<float>();
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; n++) {
+    if (type == Q4_K) reference<Q4_K>(w + n * row_bytes, K, acts, sums, 0, R, out + n, N);
+    else reference<Q6_K>(w + n * row_bytes, K, acts, sums, 0, R, out + n, N);
+  }
+  return y;
+}
+
 // The weight's rows `ids` [M] (int64) dequantised: [M, K].
 inline torch::Tensor get_rows(const torch::Tensor& weight, int64_t type, const torch::Tensor& ids) {
   const int64_t K = row_length(weight, type);
@@ -85,4 +188,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &vq::matmul, "y = x . dequantise(weight)^T by int8 products");
   m.def("dequantize", &vq::dequantize, "exact float32 dequantisation");
   m.def("get_rows", &vq::get_rows, "rows of the weight, dequantised");
+  m.def("pack", &vq::pack, "the weight as panels of 16 rows (panels.h)");
+  m.def("matmul_panels", &vq::matmul_panels, "y = x . packed weight^T in panels.h's order");
+  m.def("matmul_panels_reference", &vq::matmul_panels_reference,
+        "panels.h's order in plain C++, from the file's blocks");
+  m.def("panel_types", [] {
+    std::vector<int64_t> types;
+    for (int t : {vq::Q4_K, vq::Q6_K})
+      if (vq::panels_for(t) != nullptr) types.push_back(t);
+    return types;
+  }, "the types this path multiplies as panels");
 }

@@ -1,11 +1,13 @@
 // What a kernel path exports to the module (module.cpp): for a GGUF type, the function that
 // multiplies one weight row with a tile of activation rows (dot.h's order). Each path is its own
-// translation unit (scalar.cpp, avx2.cpp), built without torch's headers: a kernel change
-// rebuilds in seconds, and nothing compiled for AVX2 leaks into code the portable path runs.
+// translation unit (scalar.cpp, avx2.cpp, avx512.cpp), built without torch's headers: a kernel change
+// rebuilds in seconds, and nothing compiled for AVX2 or AVX-512 leaks into code another path
+// runs.
 
 #pragma once
 
 #include "dot.h"
+#include "panels.h"
 
 namespace vq {
 
@@ -14,7 +16,14 @@ using RowsFn = void (*)(const uint8_t* row, int64_t K, const Activations& x, int
                         int64_t rows, float* out, int64_t ldy);
 
 RowsFn rows_for(int type);  // nullptr for a type without kernels
-const char* path_name();     // "scalar" or "avx2"
+
+// out[t * ldy + 0 .. 15] = activation row (r0 + t) . the panel's 16 weight rows, in panels.h's
+// order, for t < rows <= MAX_TILE.
+using PanelFn = void (*)(const uint8_t* panel, int64_t K, const Activations& x,
+                         const PanelSums& sums, int64_t r0, int64_t rows, float* out, int64_t ldy);
+
+PanelFn panels_for(int type);  // nullptr where the path has no panel kernel for the type
+const char* path_name();     // "scalar", "avx2" or "avx512"
 
 template <class Kernel>
 RowsFn rows_table(int type) {

@@ -5,3 +5,4 @@
 
 vq::RowsFn vq::rows_for(int type) { return rows_table<PortableKernel>(type); }
 const char* vq::path_name() { return "scalar"; }
+vq::PanelFn vq::panels_for(int) { return nullptr; }

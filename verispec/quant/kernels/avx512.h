@@ -1,0 +1,286 @@
+// The AVX512-VNNI kernel (AVX-512 F/BW/VL and VNNI beside AVX2, FMA and F16C: AMD Zen 4 and
+// later, Intel Ice Lake and later): dot.h's order, two blocks to a 512-bit register.
+//
+// A register holds blocks 2i (low half) and 2i + 1 (high half) of a group, so its low half
+// plays dot.h's acc[0] and its high half acc[1], with the same FMAs in the same order. Per pair
+// of blocks and activation row:
+//     VPDPBUSD  (unsigned codes x int8 activations, four adjacent products into one int32 lane:
+//                exactly dot.h's lane; no saturation, |4 * 63 * 127| < 2^31)
+//     VCVTDQ2PS (exact: |lane| < 2^24); Q6_K: VMULPS by the lane's sub-scale, exact too
+//                (|lane * sub| <= 4 * 63 * 127 * 128 < 2^24), so it is float(sub * lane)
+//     VFMADD    by scale_j * d_x[j], the same product the AVX2 path forms.
+// One instruction does what VPMADDUBSW + VPMADDWD do on AVX2, on twice the width: a row's
+// share of a pass costs about a third of the AVX2 path's, which is what lets a verification
+// pass over several positions stay close to one token's pass. Q8_0's signed codes go through
+// the sign trick: |code| x (q_x negated where the code is negative).
+
+#pragma once
+
+#include "avx2.h"
+#include "panels.h"
+
+namespace vq {
+
+// The codes of blocks 2i and 2i + 1 of group g in pairs[i] (i < 4; zeros past `blocks`), the
+// codes group.h's block_codes gives.
+template <int T>
+inline void decode_pairs(const uint8_t* row, int64_t g, int blocks, __m512i* pairs) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  auto load32 = [](const uint8_t* p) {  // 32 bytes into both halves
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  if constexpr (T == Q4_K || T == Q5_K) {
+    // 32 bytes of nibbles per pair: block 2i in the low nibbles, 2i + 1 in the high
+    const uint8_t* p = row + g * Traits<T>::kBlockBytes;
+    const uint8_t* nibbles = p + (T == Q4_K ? 16 : 48);
+    const __m512i high_half = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    for (int i = 0; i < 4; i++)
+      pairs[i] = _mm512_and_si512(_mm512_srlv_epi64(load32(nibbles + 32 * i), high_half), low4);
+    if constexpr (T == Q5_K) {  // bit j of byte e: block j's fifth bit of element e, to bit 4
+      const __m512i fifth = load32(p + 16), bit4 = _mm512_set1_epi8(16);
+      for (int i = 0; i < 4; i++) {
+        const int lo = (4 - 2 * i) & 63, hi = (3 - 2 * i) & 63;  // rotations by 4 - j mod 64
+        const __m512i turn = _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo);
+        pairs[i] = _mm512_or_si512(pairs[i],
+                                   _mm512_and_si512(_mm512_rolv_epi64(fifth, turn), bit4));
+      }
+    }
+  } else if constexpr (T == Q6_K) {
+    // half h: blocks 4h + k take low nibbles from 64 h + 32 (k % 2) >> 4 (k / 2) and their
+    // two high bits from 128 + 32 h >> 2k; pair 2h is k = 0, 1, pair 2h + 1 is k = 2, 3
+    const uint8_t* p = row + g * Traits<T>::kBlockBytes;
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    const __m512i up = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4);
+    const __m512i down = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    for (int h = 0; h < 2; h++) {
+      const __m512i lo = _mm512_loadu_si512(p + 64 * h), hi = load32(p + 128 + 32 * h);
+      pairs[2 * h] = _mm512_or_si512(_mm512_and_si512(lo, low4),
+                                     _mm512_and_si512(_mm512_sllv_epi64(hi, up), bits45));
+      pairs[2 * h + 1] = _mm512_or_si512(
+          _mm512_and_si512(_mm512_srli_epi64(lo, 4), low4),
+          _mm512_and_si512(_mm512_srlv_epi64(hi, down), bits45));
+    }
+  } else {  // 32-element types: each block has its own header; AVX2's decoding, paired
+    __m256i codes[GROUP];
+    decode_codes<T>(row, g, blocks, codes);
+    for (int i = 0; i < 4; i++)
+      pairs[i] = _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * i]), codes[2 * i + 1], 1);
+  }
+}
+
+inline __m512 join(__m256 low, __m256 high) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)),
+                                             _mm256_castps_pd(high), 1));
+}
+
+struct Avx512Kernel {
+  static constexpr const char* kName = "avx512";
+
+  template <int T>
+  static void rows(const uint8_t* row, int64_t K, const Activations& x, int64_t r0, int64_t rows,
+                   float* out, int64_t ldy) {
+    switch (rows) {  // a fixed count lets the compiler keep a tile's sums in registers
+      case 1: return tile<T, 1>(row, K, x, r0, rows, out, ldy);
+      case 2: return tile<T, 2>(row, K, x, r0, rows, out, ldy);
+      case 3: return tile<T, 3>(row, K, x, r0, rows, out, ldy);
+      case 4: return tile<T, 4>(row, K, x, r0, rows, out, ldy);
+      default: return tile<T, 0>(row, K, x, r0, rows, out, ldy);
+    }
+  }
+
+  // kRows: the tile's row count when fixed at compile time, 0 when `rows` says.
+  template <int T, int kRows>
+  static void tile(const uint8_t* row, int64_t K, const Activations& x, int64_t r0,
+                   int64_t rows, float* out, int64_t ldy) {
+    if constexpr (kRows > 0) rows = kRows;
+    constexpr int kTile = kRows > 0 ? kRows : MAX_TILE;
+    const int64_t nblocks = K / QK, groups = (nblocks + GROUP - 1) / GROUP;
+    __m512 acc[kTile], mins[kTile];
+    for (int64_t t = 0; t < rows; t++) acc[t] = mins[t] = _mm512_setzero_ps();
+    // lane l of pair i takes block 2i + l / 8's factor, and (Q6_K) half 4i + l / 4's sub-scale
+    __m512i block_of[4], half_of[4];
+    for (int i = 0; i < 4; i++) {
+      block_of[i] = _mm512_set_epi32(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                     2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i, 2 * i,
+                                     2 * i, 2 * i, 2 * i, 2 * i);
+      half_of[i] = _mm512_set_epi32(4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 2,
+                                    4 * i + 2, 4 * i + 2, 4 * i + 2, 4 * i + 1, 4 * i + 1,
+                                    4 * i + 1, 4 * i + 1, 4 * i, 4 * i, 4 * i, 4 * i);
+    }
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t g = 0; g < groups; g++) {
+      // 1. decode the group once for all rows: codes, float parameters, sub-scales
+      GroupVectors v;
+      group_vectors<T>(row, g, nblocks, v);
+      __m512i codes[4];
+      decode_pairs<T>(row, g, int(nblocks - g * GROUP), codes);
+      const __m512 group_mins = join(v.min_lo, v.min_hi);
+      __m512 sub[4];
+      if constexpr (Traits<T>::kSubScales) {
+        const uint8_t* scales = row + g * Traits<T>::kBlockBytes + 192;
+        const __m512 all = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))));
+        for (int i = 0; i < 4; i++) sub[i] = _mm512_permutexvar_ps(half_of[i], all);
+      }
+      __mmask64 negative[4];
+      if constexpr (Traits<T>::kSigned)
+        for (int i = 0; i < 4; i++) {
+          negative[i] = _mm512_movepi8_mask(codes[i]);
+          codes[i] = _mm512_abs_epi8(codes[i]);
+        }
+      // 2. each row's products over it
+      for (int64_t t = 0; t < rows; t++) {
+        const int8_t* q = x.row_codes(r0 + t) + g * QK_K;
+        const __m512 products = _mm512_castps256_ps512(_mm256_mul_ps(
+            v.scale, _mm256_loadu_ps(x.row_scales(r0 + t) + g * GROUP)));  // scale_j * d_x[j]
+        __m512 a = acc[t];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+          __m512i xq = _mm512_loadu_si512(q + 2 * QK * i);
+          if constexpr (Traits<T>::kSigned) xq = _mm512_mask_sub_epi8(xq, negative[i], zero, xq);
+          __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes[i], xq));
+          if constexpr (Traits<T>::kSubScales) lanes = _mm512_mul_ps(lanes, sub[i]);
+          a = _mm512_fmadd_ps(lanes, _mm512_permutexvar_ps(block_of[i], products), a);
+        }
+        acc[t] = a;
+        if constexpr (Traits<T>::kMins)
+          mins[t] = _mm512_fmadd_ps(group_mins, _mm512_loadu_ps(x.row_sums(r0 + t) + g * 16),
+                                    mins[t]);
+      }
+    }
+    for (int64_t t = 0; t < rows; t++) {
+      RowSums s;  // acc[0] then acc[1]: the register's halves, in memory order
+      _mm512_storeu_ps(&s.acc[0][0], acc[t]);
+      _mm512_storeu_ps(&s.mins[0][0], mins[t]);
+      out[t * ldy] = finish<T>(s);
+    }
+  }
+};
+
+// The panel order (panels.h) on 16 outputs at once: VPDPBUSD multiplies a register of 16 rows'
+// codes by 4 activation bytes broadcast from memory, so each int32 lane is one output's sum and
+// the float work (one conversion, one product, one or two FMAs per block) is shared by 16
+// outputs. Per block and activation row: 8 VPDPBUSD (two integer accumulators), 1 add, 1
+// conversion, 1 multiply, 1 or 2 FMAs; the codes are decoded once for all rows of the tile.
+struct PanelKernel {
+  // out[t * ldy + 0 .. 15] for activation rows r0 + t, t < rows <= MAX_TILE.
+  template <int T>
+  static void rows(const uint8_t* panel, int64_t K, const Activations& x, const PanelSums& sums,
+                   int64_t r0, int64_t rows, float* out, int64_t ldy) {
+    switch (rows) {  // a fixed count lets the compiler keep a tile's sums in registers
+      case 1: return tile<T, 1>(panel, K, x, sums, r0, rows, out, ldy);
+      case 2: return tile<T, 2>(panel, K, x, sums, r0, rows, out, ldy);
+      case 3: return tile<T, 3>(panel, K, x, sums, r0, rows, out, ldy);
+      case 4: return tile<T, 4>(panel, K, x, sums, r0, rows, out, ldy);
+      case 5: return tile<T, 5>(panel, K, x, sums, r0, rows, out, ldy);
+      case 6: return tile<T, 6>(panel, K, x, sums, r0, rows, out, ldy);
+      case 7: return tile<T, 7>(panel, K, x, sums, r0, rows, out, ldy);
+      case 8: return tile<T, 8>(panel, K, x, sums, r0, rows, out, ldy);
+      default: return tile<T, 0>(panel, K, x, sums, r0, rows, out, ldy);
+    }
+  }
+
+  template <int T, int kRows>
+  static void tile(const uint8_t* panel, int64_t K, const Activations& x, const PanelSums& sums,
+                   int64_t r0, int64_t rows, float* out, int64_t ldy) {
+    if constexpr (kRows > 0) rows = kRows;
+    constexpr int kTile = kRows > 0 ? kRows : MAX_TILE;
+    constexpr bool kMins = T == Q4_K;
+    const int64_t supers = K / QK_K, blocks_per_row = x.padded / QK;
+    __m512 acc[kTile], mac[kTile];
+    for (int64_t t = 0; t < rows; t++) acc[t] = mac[t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
+    auto bytes16 = [](const uint8_t* p) {  // 16 bytes as 16 int32 lanes
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    };
+    auto halves16 = [](const uint8_t* p) {  // 16 fp16 as floats
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    for (int64_t s = 0; s < supers; s++) {
+      const uint8_t* o = panel + s * panel_block_bytes(T);
+      const __m512 d = halves16(o);
+      __m512 dmin = _mm512_setzero_ps();
+      if constexpr (kMins) dmin = halves16(o + 32);
+      for (int j = 0; j < GROUP; j++) {
+        // 1. the block's codes and factors, once for all rows
+        const int64_t b = s * GROUP + j;
+        __m512i chunk[8];
+        __m512 scale = d, minimum = _mm512_setzero_ps();
+        __m512i sub_lo = _mm512_setzero_si512(), sub_hi = _mm512_setzero_si512();
+        if constexpr (T == Q4_K) {
+          const uint8_t* nibbles = o + 320 + 256 * j;
+          for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(nibbles + 64 * c);
+            chunk[c] = _mm512_and_si512(v, low4);
+            chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          }
+          scale = _mm512_mul_ps(
+              d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(o + 64 + 16 * j))));
+          const __m512 m = _mm512_mul_ps(
+              dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(o + 192 + 16 * j))));
+          minimum = _mm512_castsi512_ps(  // -(dmin * m), the sign flipped as group.h's
+              _mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN)));
+        } else {  // Q6_K
+          const uint8_t* nibbles = o + 288 + 384 * j;
+          const __m512i high0 = _mm512_loadu_si512(nibbles + 256);
+          const __m512i high1 = _mm512_loadu_si512(nibbles + 320);
+          const __m512i top[4] = {_mm512_slli_epi16(high0, 4), _mm512_slli_epi16(high0, 2), high0,
+                                  _mm512_srli_epi16(high0, 2)};
+          const __m512i top1[4] = {_mm512_slli_epi16(high1, 4), _mm512_slli_epi16(high1, 2), high1,
+                                   _mm512_srli_epi16(high1, 2)};
+          for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(nibbles + 64 * c);
+            chunk[c] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(top[c], bits45));
+            chunk[c + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                                           _mm512_and_si512(top1[c], bits45));
+          }
+          sub_lo = _mm512_cvtepi8_epi32(bytes16(o + 32 + 16 * (2 * j)));
+          sub_hi = _mm512_cvtepi8_epi32(bytes16(o + 32 + 16 * (2 * j + 1)));
+        }
+        // 2. each row's products over it
+        for (int64_t t = 0; t < rows; t++) {
+          const int64_t r = r0 + t;
+          const int8_t* q = x.row_codes(r) + QK * b;
+          auto at = [q](int c) {  // activation bytes 4c .. 4c + 3, in every lane
+            int32_t v;
+            std::memcpy(&v, q + 4 * c, 4);
+            return _mm512_set1_epi32(v);
+          };
+          __m512i integer;
+          if constexpr (T == Q4_K) {
+            __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), chunk[0], at(0));
+            __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), chunk[1], at(1));
+            even = _mm512_dpbusd_epi32(even, chunk[2], at(2));
+            odd = _mm512_dpbusd_epi32(odd, chunk[3], at(3));
+            even = _mm512_dpbusd_epi32(even, chunk[4], at(4));
+            odd = _mm512_dpbusd_epi32(odd, chunk[5], at(5));
+            even = _mm512_dpbusd_epi32(even, chunk[6], at(6));
+            odd = _mm512_dpbusd_epi32(odd, chunk[7], at(7));
+            integer = _mm512_add_epi32(even, odd);
+          } else {  // halves start at -32 * (sum of their activation codes)
+            const int32_t* b16 = sums.b16 + r * (x.padded / 16) + 2 * b;
+            __m512i lo = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[0]), chunk[0], at(0));
+            __m512i hi = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[1]), chunk[4], at(4));
+            lo = _mm512_dpbusd_epi32(lo, chunk[1], at(1));
+            hi = _mm512_dpbusd_epi32(hi, chunk[5], at(5));
+            lo = _mm512_dpbusd_epi32(lo, chunk[2], at(2));
+            hi = _mm512_dpbusd_epi32(hi, chunk[6], at(6));
+            lo = _mm512_dpbusd_epi32(lo, chunk[3], at(3));
+            hi = _mm512_dpbusd_epi32(hi, chunk[7], at(7));
+            integer = _mm512_add_epi32(_mm512_mullo_epi32(lo, sub_lo),
+                                       _mm512_mullo_epi32(hi, sub_hi));
+          }
+          const __m512 factor = _mm512_mul_ps(scale, _mm512_set1_ps(x.row_scales(r)[b]));
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(integer), factor, acc[t]);
+          if constexpr (kMins)
+            mac[t] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums.s32[r * blocks_per_row + b]),
+                                     mac[t]);
+        }
+      }
+    }
+    for (int64_t t = 0; t < rows; t++)
+      _mm512_storeu_ps(out + t * ldy, kMins ? _mm512_add_ps(acc[t], mac[t]) : acc[t]);
+  }
+};
+
+}  // namespace vq

@@ -1,0 +1,144 @@
+// Weights repacked into panels of 16 rows, and the order of a panel product: what lets one
+// AVX-512 register hold 16 outputs, so that a pass over several activation rows costs little
+// more than a pass over one (see avx512.h's PanelKernel).
+//
+// The panel order. For output n and activation row r, over the row's 32-element blocks b:
+//     I_b = sum over halves h of sub_h * sum_{i in h} (u_i - offset) * q_i      (an exact int32)
+//     acc = fma(float(I_b), scale_b * d_x[b], acc)
+//     mac = fma(min_b, s_x[b], mac)                        (types with an additive part only)
+// then y = acc + mac. u is the weight's stored unsigned code, q the activation's int8 code (the
+// same activations as dot.h's: d_x per 32, activations.h), s_x[b] = d_x[b] * float(sum_b q).
+// Q4_K: offset 0, sub 1, scale_b = d * sc_b, min_b = -(dmin * m_b), group.h's floats.
+// Q6_K: offset 32, sub_h the int8 scale of 16 elements, scale_b = d, no additive part.
+// The integer part is exact whatever the grouping, so a kernel may split it over any number of
+// accumulators; the float part is one chain per output in block order. Nothing depends on the
+// other rows, the row count or the thread: a row's output is the same bits alone or among many.
+// This is a different order from dot.h's, so packed products differ from the file-layout
+// kernels' in the last bits; `reference` below computes it in plain C++ from the file's own
+// blocks (the tests hold the AVX-512 kernel and the packing to it together).
+//
+// A panel's bytes, per 256-element super-block (s), in the order below:
+//   Q4_K (2368 B): d fp16[16 rows] | dmin fp16[16] | sc u8[8 blocks][16] | m u8[8][16] |
+//                  per block j: 4 x 64 B of nibbles
+//   Q6_K (3360 B): d fp16[16] | sc int8[16 halves][16] | per block j: 4 x 64 B of nibbles,
+//                  2 x 64 B of high bit pairs
+// Nibble register c (0..3) of block j: byte 4 * row + i holds element 4c + i in its low nibble and
+// element 16 + 4c + i in its high nibble, so register c gives chunks c and c + 4, each the 4
+// codes VPDPBUSD multiplies with 4 activation bytes, for all 16 rows. Q6_K's high register k
+// (0, 1): bits 2t, 2t + 1 of byte 4 * row + i are the top bits of element 16k + 4t + i.
+
+#pragma once
+
+#include "activations.h"
+#include "group.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace vq {
+
+constexpr int64_t PANEL = 16;  // weight rows in a panel
+
+inline bool has_panels(int type) { return type == Q4_K || type == Q6_K; }
+
+inline int64_t panel_block_bytes(int type) {  // bytes of one super-block of one panel
+  return type == Q4_K ? 2368 : type == Q6_K ? 3360 : 0;
+}
+
+// The extra activation sums the panel order reads, for `rows` quantised rows.
+struct PanelSums {
+  const float* s32;      // [rows, padded / 32]: d_x * float(sum of the block's codes)
+  const int32_t* b16;    // [rows, padded / 16]: sum of each 16 codes
+};
+
+inline void panel_sums(const Activations& x, int64_t row, float* s32, int32_t* b16) {
+  const int8_t* q = x.row_codes(row);
+  const float* d = x.row_scales(row);
+  for (int64_t h = 0; h < x.padded / 16; h++) {
+    int32_t sum = 0;
+    for (int i = 0; i < 16; i++) sum += q[16 * h + i];
+    b16[h] = sum;
+  }
+  for (int64_t b = 0; b < x.padded / QK; b++) s32[b] = d[b] * float(b16[2 * b] + b16[2 * b + 1]);
+}
+
+// Rows n0 .. n0 + 15 of a file-layout weight ([N, row_bytes]) into one panel (`out`).
+template <int T>
+inline void pack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n0, int64_t K,
+                       uint8_t* out) {
+  const int64_t supers = K / QK_K, nblocks = K / QK;
+  for (int64_t s = 0; s < supers; s++) {
+    uint8_t* o = out + s * panel_block_bytes(T);
+    for (int64_t r = 0; r < PANEL; r++) {
+      const uint8_t* row = weight + (n0 + r) * row_bytes;
+      const uint8_t* p = row + s * Traits<T>::kBlockBytes;
+      uint8_t codes[GROUP][QK];
+      for (int j = 0; j < GROUP; j++) block_codes<T>(row, s, j, codes[j]);
+      if constexpr (T == Q4_K) {
+        std::memcpy(o + 2 * r, p, 2);        // d
+        std::memcpy(o + 32 + 2 * r, p + 2, 2);  // dmin
+        for (int j = 0; j < GROUP; j++) {
+          int sc, m;
+          k_scale_min(p + 4, j, sc, m);
+          o[64 + 16 * j + r] = uint8_t(sc);
+          o[192 + 16 * j + r] = uint8_t(m);
+        }
+      } else {
+        std::memcpy(o + 2 * r, p + 208, 2);  // d
+        for (int h = 0; h < 16; h++) o[32 + 16 * h + r] = p[192 + h];
+      }
+      const int64_t header = T == Q4_K ? 320 : 288, per_block = T == Q4_K ? 256 : 384;
+      for (int j = 0; j < GROUP; j++) {
+        uint8_t* b = o + header + j * per_block;
+        for (int c = 0; c < 4; c++)
+          for (int i = 0; i < 4; i++)
+            b[64 * c + 4 * r + i] = uint8_t((codes[j][4 * c + i] & 15) |
+                                            (codes[j][16 + 4 * c + i] & 15) << 4);
+        if constexpr (T == Q6_K)
+          for (int k = 0; k < 2; k++)
+            for (int i = 0; i < 4; i++) {
+              int bits = 0;
+              for (int t = 0; t < 4; t++) bits |= (codes[j][16 * k + 4 * t + i] >> 4) << (2 * t);
+              b[256 + 64 * k + 4 * r + i] = uint8_t(bits);
+            }
+      }
+    }
+  }
+  (void)nblocks;
+}
+
+// The panel order in plain C++, from the file's own blocks: out[t * ldy] for activation rows
+// r0 + t (t < rows) and the file-layout weight row `row`.
+template <int T>
+inline void reference(const uint8_t* row, int64_t K, const Activations& x, const PanelSums& sums,
+                      int64_t r0, int64_t rows, float* out, int64_t ldy) {
+  constexpr int kOffset = T == Q6_K ? 32 : 0;
+  const int64_t nblocks = K / QK;
+  for (int64_t t = 0; t < rows; t++) {
+    const int8_t* q = x.row_codes(r0 + t);
+    const float* d = x.row_scales(r0 + t);
+    const float* s32 = sums.s32 + (r0 + t) * (x.padded / QK);
+    float acc = 0.0f, mac = 0.0f;
+    for (int64_t g = 0; g < nblocks / GROUP; g++) {
+      GroupParams p;
+      group_params<T>(row, g, nblocks, load_half, p);
+      for (int j = 0; j < GROUP; j++) {
+        const int64_t b = g * GROUP + j;
+        uint8_t codes[QK];
+        block_codes<T>(row, g, j, codes);
+        int32_t integer = 0;
+        for (int h = 0; h < 2; h++) {
+          int32_t half = 0;
+          for (int i = 16 * h; i < 16 * h + 16; i++) half += (int(codes[i]) - kOffset) * q[QK * b + i];
+          integer += int32_t(p.sub[j][h]) * half;
+        }
+        acc = std::fma(float(integer), p.scale[j] * d[b], acc);
+        if constexpr (T == Q4_K) mac = std::fma(p.min[2 * j], s32[b], mac);
+      }
+    }
+    out[t * ldy] = T == Q4_K ? acc + mac : acc;
+  }
+}
+
+}  // namespace vq
