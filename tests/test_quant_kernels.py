@@ -246,7 +246,14 @@ def test_bad_input_is_refused_with_a_clear_message():
 
 # (d) panels: weights repacked by 16 rows, multiplied 16 outputs at a time (panels.h) -----------
 
-PANEL_TYPES = [T.Q4_K, T.Q6_K]
+PANEL_TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]
+
+
+def panel_shapes(qtype) -> list[tuple[int, int]]:
+    """[N, K] cases: K-types by 256, the others by 32 (896 = 28 blocks, as Qwen2.5-0.5B's)."""
+    if GGML_QUANT_SIZES[qtype][0] == 256:
+        return [(48, 512), (16, 256), (32, 1536)]
+    return [(48, 416), (16, 32), (32, 896)]
 PANEL_PATHS = [p for p in PATHS if kernels.load(p).panel_types()]
 
 
@@ -254,9 +261,9 @@ PANEL_PATHS = [p for p in PATHS if kernels.load(p).panel_types()]
 def test_panel_order_reference_is_within_the_activation_bound(qtype):
     """The plain C++ reference of the panel order (every path has it) against float64."""
     module = kernels.load(PATHS[0])
-    for seed in (0, 1):
-        weight = weights(qtype, 32, 768, seed)
-        x = activations(5, 768, seed)
+    for seed, (n, k) in enumerate(panel_shapes(qtype)[::2]):
+        weight = weights(qtype, n, k, seed)
+        x = activations(5, k, seed)
         y = module.matmul_panels_reference(x, weight, int(qtype))
         exact = x.double() @ reference(weight, qtype).double().T
         assert torch.all((y.double() - exact).abs() <= error_bound(x, weight, qtype))
@@ -268,7 +275,7 @@ def test_panel_order_reference_is_within_the_activation_bound(qtype):
 def test_packed_products_are_the_panel_orders_bits(path, qtype):
     """Packing and the kernel together give the reference's bits, from the file's blocks."""
     module = kernels.load(path)
-    for seed, (n, k) in enumerate([(48, 512), (16, 256), (32, 1536)]):
+    for seed, (n, k) in enumerate(panel_shapes(qtype)):
         weight = weights(qtype, n, k, seed)
         x = activations(19, k, seed)
         packed = module.pack(weight, int(qtype))
@@ -281,18 +288,19 @@ def test_packed_products_are_the_panel_orders_bits(path, qtype):
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
 def test_a_rows_packed_output_does_not_depend_on_the_other_rows_or_threads(qtype):
     module = kernels.load(PANEL_PATHS[0])
-    weight = weights(qtype, 32, 512, 1)
+    n, k = panel_shapes(qtype)[0]
+    weight = weights(qtype, n, k, 1)
     packed = module.pack(weight, int(qtype))
-    x = activations(40, 512, 7)
+    x = activations(40, k, 7)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        together = module.matmul_panels(x, packed, int(qtype), 512)  # [40, 32]
+        together = module.matmul_panels(x, packed, int(qtype), k)  # [40, n]
         for rows in range(1, 41):  # tiles of 16 cut them differently; 1-8 are unrolled
-            assert torch.equal(bits(module.matmul_panels(x[:rows], packed, int(qtype), 512)),
+            assert torch.equal(bits(module.matmul_panels(x[:rows], packed, int(qtype), k)),
                                bits(together[:rows])), rows
         torch.set_num_threads(1)
-        assert torch.equal(bits(module.matmul_panels(x, packed, int(qtype), 512)),
+        assert torch.equal(bits(module.matmul_panels(x, packed, int(qtype), k)),
                            bits(together))
     finally:
         torch.set_num_threads(threads)
@@ -304,4 +312,4 @@ def test_panels_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="no panel layout"):
         kernels.pack(weights(T.Q4_K, 24, 256, 1), T.Q4_K)  # 24 rows: not whole panels
     with pytest.raises(ValueError, match="no panel layout"):
-        kernels.pack(weights(T.Q8_0, 16, 256, 1), T.Q8_0)
+        kernels.pack(weights(T.Q4_1, 16, 256, 1), T.Q4_1)

@@ -180,102 +180,120 @@ struct PanelKernel {
     }
   }
 
+  // One block's codes and factors for 16 rows, decoded once for every activation row.
+  struct Block {
+    __m512i chunk[8];        // chunk c: the codes of elements 4c .. 4c + 3 (u8, 16 rows)
+    __m512 scale, minimum;   // scale_b, min_b per row
+    __m512i sub_lo, sub_hi;  // Q6_K: the halves' int32 sub-scales
+  };
+
+  template <int T>
+  static void decode(const uint8_t* panel, int64_t b, Block& k) {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    auto bytes16 = [](const uint8_t* p) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    };
+    auto halves16 = [](const uint8_t* p) {  // 16 fp16 as floats
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    auto nibbles = [&](const uint8_t* p) {  // 4 registers -> chunks c and c + 4
+      for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * c);
+        k.chunk[c] = _mm512_and_si512(v, low4);
+        k.chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    };
+    const int64_t j = b % GROUP;
+    const uint8_t* o = panel + b / (panel_block_size(T) / QK) * panel_block_bytes(T);
+    k.scale = halves16(o);
+    if constexpr (T == Q4_K) {
+      nibbles(o + 320 + 256 * j);
+      k.scale = _mm512_mul_ps(
+          k.scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(o + 64 + 16 * j))));
+      const __m512 m = _mm512_mul_ps(
+          halves16(o + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(o + 192 + 16 * j))));
+      k.minimum = _mm512_castsi512_ps(  // -(dmin * m), the sign flipped as group.h's
+          _mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN)));
+    } else if constexpr (T == Q6_K) {
+      const uint8_t* p = o + 288 + 384 * j;
+      nibbles(p);
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; h++) {  // the top bits of chunk 4h + t sit at 2t in register h
+        const __m512i high = _mm512_loadu_si512(p + 256 + 64 * h);
+        const __m512i top[4] = {_mm512_slli_epi16(high, 4), _mm512_slli_epi16(high, 2), high,
+                                _mm512_srli_epi16(high, 2)};
+        for (int t = 0; t < 4; t++)
+          k.chunk[4 * h + t] =
+              _mm512_or_si512(k.chunk[4 * h + t], _mm512_and_si512(top[t], bits45));
+      }
+      k.sub_lo = _mm512_cvtepi8_epi32(bytes16(o + 32 + 16 * (2 * j)));
+      k.sub_hi = _mm512_cvtepi8_epi32(bytes16(o + 32 + 16 * (2 * j + 1)));
+    } else if constexpr (T == Q5_0) {
+      nibbles(o + 32);
+      const __m512i fifth = _mm512_loadu_si512(o + 288), bit4 = _mm512_set1_epi8(16);
+      const __m512i moved[8] = {  // bit c of each byte to bit 4
+          _mm512_slli_epi16(fifth, 4), _mm512_slli_epi16(fifth, 3), _mm512_slli_epi16(fifth, 2),
+          _mm512_slli_epi16(fifth, 1), fifth, _mm512_srli_epi16(fifth, 1),
+          _mm512_srli_epi16(fifth, 2), _mm512_srli_epi16(fifth, 3)};
+      for (int c = 0; c < 8; c++)
+        k.chunk[c] = _mm512_or_si512(k.chunk[c], _mm512_and_si512(moved[c], bit4));
+    } else {  // Q8_0
+      for (int c = 0; c < 8; c++) k.chunk[c] = _mm512_loadu_si512(o + 32 + 64 * c);
+    }
+  }
+
   template <int T, int kRows>
   static void tile(const uint8_t* panel, int64_t K, const Activations& x, const PanelSums& sums,
                    int64_t r0, int64_t rows, float* out, int64_t ldy) {
     if constexpr (kRows > 0) rows = kRows;
     constexpr int kTile = kRows > 0 ? kRows : MAX_TILE;
     constexpr bool kMins = T == Q4_K;
-    const int64_t supers = K / QK_K, blocks_per_row = x.padded / QK;
+    const int64_t nblocks = K / QK, blocks_per_row = x.padded / QK;
     __m512 acc[kTile], mac[kTile];
     for (int64_t t = 0; t < rows; t++) acc[t] = mac[t] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
-    auto bytes16 = [](const uint8_t* p) {  // 16 bytes as 16 int32 lanes
-      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    };
-    auto halves16 = [](const uint8_t* p) {  // 16 fp16 as floats
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    };
-    for (int64_t s = 0; s < supers; s++) {
-      const uint8_t* o = panel + s * panel_block_bytes(T);
-      const __m512 d = halves16(o);
-      __m512 dmin = _mm512_setzero_ps();
-      if constexpr (kMins) dmin = halves16(o + 32);
-      for (int j = 0; j < GROUP; j++) {
-        // 1. the block's codes and factors, once for all rows
-        const int64_t b = s * GROUP + j;
-        __m512i chunk[8];
-        __m512 scale = d, minimum = _mm512_setzero_ps();
-        __m512i sub_lo = _mm512_setzero_si512(), sub_hi = _mm512_setzero_si512();
-        if constexpr (T == Q4_K) {
-          const uint8_t* nibbles = o + 320 + 256 * j;
-          for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(nibbles + 64 * c);
-            chunk[c] = _mm512_and_si512(v, low4);
-            chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-          }
-          scale = _mm512_mul_ps(
-              d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(o + 64 + 16 * j))));
-          const __m512 m = _mm512_mul_ps(
-              dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(o + 192 + 16 * j))));
-          minimum = _mm512_castsi512_ps(  // -(dmin * m), the sign flipped as group.h's
-              _mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN)));
-        } else {  // Q6_K
-          const uint8_t* nibbles = o + 288 + 384 * j;
-          const __m512i high0 = _mm512_loadu_si512(nibbles + 256);
-          const __m512i high1 = _mm512_loadu_si512(nibbles + 320);
-          const __m512i top[4] = {_mm512_slli_epi16(high0, 4), _mm512_slli_epi16(high0, 2), high0,
-                                  _mm512_srli_epi16(high0, 2)};
-          const __m512i top1[4] = {_mm512_slli_epi16(high1, 4), _mm512_slli_epi16(high1, 2), high1,
-                                   _mm512_srli_epi16(high1, 2)};
-          for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(nibbles + 64 * c);
-            chunk[c] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(top[c], bits45));
-            chunk[c + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                           _mm512_and_si512(top1[c], bits45));
-          }
-          sub_lo = _mm512_cvtepi8_epi32(bytes16(o + 32 + 16 * (2 * j)));
-          sub_hi = _mm512_cvtepi8_epi32(bytes16(o + 32 + 16 * (2 * j + 1)));
+    for (int64_t b = 0; b < nblocks; b++) {
+      // 1. the block's codes and factors, once for all rows
+      Block k;
+      decode<T>(panel, b, k);
+      // 2. each row's products over it; integer sums start at -offset * (sum of the codes q)
+      for (int64_t t = 0; t < rows; t++) {
+        const int64_t r = r0 + t;
+        const int8_t* q = x.row_codes(r) + QK * b;
+        auto at = [q](int c) {  // activation bytes 4c .. 4c + 3, in every lane
+          int32_t v;
+          std::memcpy(&v, q + 4 * c, 4);
+          return _mm512_set1_epi32(v);
+        };
+        const int32_t* b16 = sums.b16 + r * (x.padded / 16) + 2 * b;
+        __m512i integer;
+        if constexpr (T == Q6_K) {  // the halves apart: each has its sub-scale
+          __m512i lo = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[0]), k.chunk[0], at(0));
+          __m512i hi = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[1]), k.chunk[4], at(4));
+          lo = _mm512_dpbusd_epi32(lo, k.chunk[1], at(1));
+          hi = _mm512_dpbusd_epi32(hi, k.chunk[5], at(5));
+          lo = _mm512_dpbusd_epi32(lo, k.chunk[2], at(2));
+          hi = _mm512_dpbusd_epi32(hi, k.chunk[6], at(6));
+          lo = _mm512_dpbusd_epi32(lo, k.chunk[3], at(3));
+          hi = _mm512_dpbusd_epi32(hi, k.chunk[7], at(7));
+          integer = _mm512_add_epi32(_mm512_mullo_epi32(lo, k.sub_lo),
+                                     _mm512_mullo_epi32(hi, k.sub_hi));
+        } else {  // two accumulators, to halve the chain of dependent VPDPBUSDs
+          const int32_t start = -kPanelOffset<T> * (b16[0] + b16[1]);
+          __m512i even = _mm512_dpbusd_epi32(_mm512_set1_epi32(start), k.chunk[0], at(0));
+          __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.chunk[1], at(1));
+          even = _mm512_dpbusd_epi32(even, k.chunk[2], at(2));
+          odd = _mm512_dpbusd_epi32(odd, k.chunk[3], at(3));
+          even = _mm512_dpbusd_epi32(even, k.chunk[4], at(4));
+          odd = _mm512_dpbusd_epi32(odd, k.chunk[5], at(5));
+          even = _mm512_dpbusd_epi32(even, k.chunk[6], at(6));
+          odd = _mm512_dpbusd_epi32(odd, k.chunk[7], at(7));
+          integer = _mm512_add_epi32(even, odd);
         }
-        // 2. each row's products over it
-        for (int64_t t = 0; t < rows; t++) {
-          const int64_t r = r0 + t;
-          const int8_t* q = x.row_codes(r) + QK * b;
-          auto at = [q](int c) {  // activation bytes 4c .. 4c + 3, in every lane
-            int32_t v;
-            std::memcpy(&v, q + 4 * c, 4);
-            return _mm512_set1_epi32(v);
-          };
-          __m512i integer;
-          if constexpr (T == Q4_K) {
-            __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), chunk[0], at(0));
-            __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), chunk[1], at(1));
-            even = _mm512_dpbusd_epi32(even, chunk[2], at(2));
-            odd = _mm512_dpbusd_epi32(odd, chunk[3], at(3));
-            even = _mm512_dpbusd_epi32(even, chunk[4], at(4));
-            odd = _mm512_dpbusd_epi32(odd, chunk[5], at(5));
-            even = _mm512_dpbusd_epi32(even, chunk[6], at(6));
-            odd = _mm512_dpbusd_epi32(odd, chunk[7], at(7));
-            integer = _mm512_add_epi32(even, odd);
-          } else {  // halves start at -32 * (sum of their activation codes)
-            const int32_t* b16 = sums.b16 + r * (x.padded / 16) + 2 * b;
-            __m512i lo = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[0]), chunk[0], at(0));
-            __m512i hi = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[1]), chunk[4], at(4));
-            lo = _mm512_dpbusd_epi32(lo, chunk[1], at(1));
-            hi = _mm512_dpbusd_epi32(hi, chunk[5], at(5));
-            lo = _mm512_dpbusd_epi32(lo, chunk[2], at(2));
-            hi = _mm512_dpbusd_epi32(hi, chunk[6], at(6));
-            lo = _mm512_dpbusd_epi32(lo, chunk[3], at(3));
-            hi = _mm512_dpbusd_epi32(hi, chunk[7], at(7));
-            integer = _mm512_add_epi32(_mm512_mullo_epi32(lo, sub_lo),
-                                       _mm512_mullo_epi32(hi, sub_hi));
-          }
-          const __m512 factor = _mm512_mul_ps(scale, _mm512_set1_ps(x.row_scales(r)[b]));
-          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(integer), factor, acc[t]);
-          if constexpr (kMins)
-            mac[t] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums.s32[r * blocks_per_row + b]),
-                                     mac[t]);
-        }
+        const __m512 factor = _mm512_mul_ps(k.scale, _mm512_set1_ps(x.row_scales(r)[b]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(integer), factor, acc[t]);
+        if constexpr (kMins)
+          mac[t] = _mm512_fmadd_ps(k.minimum, _mm512_set1_ps(sums.s32[r * blocks_per_row + b]),
+                                   mac[t]);
       }
     }
     for (int64_t t = 0; t < rows; t++)

@@ -96,15 +96,19 @@ inline void check_panels(const torch::Tensor& weight, int64_t type) {
 torch::Tensor pack(const torch::Tensor& weight, int64_t type) {
   const int64_t K = row_length(weight, type);
   check_panels(weight, type);
-  const int64_t panels = weight.size(0) / PANEL, bytes = K / QK_K * panel_block_bytes(int(type));
+  const int64_t panels = weight.size(0) / PANEL, bytes = panel_bytes(int(type), K);
   auto out = torch::empty({panels, bytes}, torch::kUInt8);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; p++) {
-      if (type == Q4_K) pack_panel<Q4_K>(w, row_bytes, PANEL * p, K, o + p * bytes);
-      else pack_panel<Q6_K>(w, row_bytes, PANEL * p, K, o + p * bytes);
+      switch (type) {
+        case Q4_K: pack_panel<Q4_K>(w, row_bytes, PANEL * p, K, o + p * bytes); break;
+        case Q6_K: pack_panel<Q6_K>(w, row_bytes, PANEL * p, K, o + p * bytes); break;
+        case Q5_0: pack_panel<Q5_0>(w, row_bytes, PANEL * p, K, o + p * bytes); break;
+        default: pack_panel<Q8_0>(w, row_bytes, PANEL * p, K, o + p * bytes);
+      }
     }
   });
   return out;
@@ -115,10 +119,10 @@ torch::Tensor matmul_panels(const torch::Tensor& x, const torch::Tensor& panels,
                             int64_t K) {
   const PanelFn kernel = panels_for(int(type));
   TORCH_CHECK(kernel != nullptr, "the ", path_name(), " path has no panel kernel for type ", type);
-  TORCH_CHECK(K > 0 && K % QK_K == 0 && panels.dim() == 2 &&
+  TORCH_CHECK(K > 0 && K % panel_block_size(int(type)) == 0 && panels.dim() == 2 &&
               panels.scalar_type() == torch::kUInt8 && panels.is_contiguous() &&
-              panels.size(1) == K / QK_K * panel_block_bytes(int(type)),
-              "panels must be a contiguous uint8 [N / 16, K / 256 * panel bytes] tensor");
+              panels.size(1) == panel_bytes(int(type), K),
+              "panels must be a contiguous uint8 [N / 16, panel bytes] tensor");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
               x.size(1) == K, "x must be a contiguous float32 [R, K] tensor");
   const int64_t R = x.size(0), N = panels.size(0) * PANEL, bytes = panels.size(1);
@@ -152,8 +156,13 @@ torch::Tensor matmul_panels_reference(const torch::Tensor& x, const torch::Tenso
   float* out = y.data_ptr<float>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; n++) {
-    if (type == Q4_K) reference<Q4_K>(w + n * row_bytes, K, acts, sums, 0, R, out + n, N);
-    else reference<Q6_K>(w + n * row_bytes, K, acts, sums, 0, R, out + n, N);
+    const uint8_t* row = w + n * row_bytes;
+    switch (type) {
+      case Q4_K: reference<Q4_K>(row, K, acts, sums, 0, R, out + n, N); break;
+      case Q6_K: reference<Q6_K>(row, K, acts, sums, 0, R, out + n, N); break;
+      case Q5_0: reference<Q5_0>(row, K, acts, sums, 0, R, out + n, N); break;
+      default: reference<Q8_0>(row, K, acts, sums, 0, R, out + n, N);
+    }
   }
   return y;
 }
@@ -194,7 +203,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "panels.h's order in plain C++, from the file's blocks");
   m.def("panel_types", [] {
     std::vector<int64_t> types;
-    for (int t : {vq::Q4_K, vq::Q6_K})
+    for (int t : {vq::Q4_K, vq::Q6_K, vq::Q5_0, vq::Q8_0})
       if (vq::panels_for(t) != nullptr) types.push_back(t);
     return types;
   }, "the types this path multiplies as panels");

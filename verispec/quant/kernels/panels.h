@@ -8,8 +8,9 @@
 //     mac = fma(min_b, s_x[b], mac)                        (types with an additive part only)
 // then y = acc + mac. u is the weight's stored unsigned code, q the activation's int8 code (the
 // same activations as dot.h's: d_x per 32, activations.h), s_x[b] = d_x[b] * float(sum_b q).
-// Q4_K: offset 0, sub 1, scale_b = d * sc_b, min_b = -(dmin * m_b), group.h's floats.
-// Q6_K: offset 32, sub_h the int8 scale of 16 elements, scale_b = d, no additive part.
+// scale_b and min_b are group.h's floats; sub_h is 1 but for Q6_K's int8 scale of 16 elements:
+//     Q4_K: offset 0, scale d * sc_b, min -(dmin * m_b)      Q6_K: offset 32, scale d
+//     Q5_0: offset 16, scale d                               Q8_0: offset 128 (u = code + 128)
 // The integer part is exact whatever the grouping, so a kernel may split it over any number of
 // accumulators; the float part is one chain per output in block order. Nothing depends on the
 // other rows, the row count or the thread: a row's output is the same bits alone or among many.
@@ -17,15 +18,18 @@
 // kernels' in the last bits; `reference` below computes it in plain C++ from the file's own
 // blocks (the tests hold the AVX-512 kernel and the packing to it together).
 //
-// A panel's bytes, per 256-element super-block (s), in the order below:
+// A panel's bytes, per 256-element super-block (K-types) or 32-element block (the others):
 //   Q4_K (2368 B): d fp16[16 rows] | dmin fp16[16] | sc u8[8 blocks][16] | m u8[8][16] |
 //                  per block j: 4 x 64 B of nibbles
 //   Q6_K (3360 B): d fp16[16] | sc int8[16 halves][16] | per block j: 4 x 64 B of nibbles,
 //                  2 x 64 B of high bit pairs
-// Nibble register c (0..3) of block j: byte 4 * row + i holds element 4c + i in its low nibble and
-// element 16 + 4c + i in its high nibble, so register c gives chunks c and c + 4, each the 4
-// codes VPDPBUSD multiplies with 4 activation bytes, for all 16 rows. Q6_K's high register k
-// (0, 1): bits 2t, 2t + 1 of byte 4 * row + i are the top bits of element 16k + 4t + i.
+//   Q5_0 (352 B):  d fp16[16] | 4 x 64 B of nibbles | 64 B of fifth bits
+//   Q8_0 (544 B):  d fp16[16] | 8 x 64 B of codes + 128, chunk c in register c
+// Nibble register c (0..3) of a block: byte 4 * row + i holds element 4c + i in its low nibble
+// and element 16 + 4c + i in its high nibble, so register c gives chunks c and c + 4, each the
+// 4 codes VPDPBUSD multiplies with 4 activation bytes, for all 16 rows. Q6_K's high register k
+// (0, 1): bits 2t, 2t + 1 of byte 4 * row + i are the top bits of element 16k + 4t + i. Q5_0's
+// fifth-bit register: bit c of byte 4 * row + i is the fifth bit of element 4c + i.
 
 #pragma once
 
@@ -40,11 +44,22 @@ namespace vq {
 
 constexpr int64_t PANEL = 16;  // weight rows in a panel
 
-inline bool has_panels(int type) { return type == Q4_K || type == Q6_K; }
-
-inline int64_t panel_block_bytes(int type) {  // bytes of one super-block of one panel
-  return type == Q4_K ? 2368 : type == Q6_K ? 3360 : 0;
+inline bool has_panels(int type) {
+  return type == Q4_K || type == Q6_K || type == Q5_0 || type == Q8_0;
 }
+
+inline int64_t panel_block_bytes(int type) {  // one (super-)block of one panel
+  return type == Q4_K ? 2368 : type == Q6_K ? 3360 : type == Q5_0 ? 352 : type == Q8_0 ? 544 : 0;
+}
+
+inline int64_t panel_block_size(int type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
+
+inline int64_t panel_bytes(int type, int64_t K) {  // one panel: 16 rows of K values
+  return K / panel_block_size(type) * panel_block_bytes(type);
+}
+
+template <int T>
+constexpr int kPanelOffset = T == Q6_K ? 32 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 0;
 
 // The extra activation sums the panel order reads, for `rows` quantised rows.
 struct PanelSums {
@@ -63,12 +78,41 @@ inline void panel_sums(const Activations& x, int64_t row, float* s32, int32_t* b
   for (int64_t b = 0; b < x.padded / QK; b++) s32[b] = d[b] * float(b16[2 * b] + b16[2 * b + 1]);
 }
 
+// Nibble registers (4 x 64 B) of one block's 32 codes for row r, as the layout above says.
+inline void pack_nibbles(const uint8_t* codes, int64_t r, uint8_t* out) {
+  for (int c = 0; c < 4; c++)
+    for (int i = 0; i < 4; i++)
+      out[64 * c + 4 * r + i] = uint8_t((codes[4 * c + i] & 15) | (codes[16 + 4 * c + i] & 15) << 4);
+}
+
 // Rows n0 .. n0 + 15 of a file-layout weight ([N, row_bytes]) into one panel (`out`).
 template <int T>
 inline void pack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n0, int64_t K,
                        uint8_t* out) {
-  const int64_t supers = K / QK_K, nblocks = K / QK;
-  for (int64_t s = 0; s < supers; s++) {
+  if constexpr (T == Q5_0 || T == Q8_0) {
+    for (int64_t b = 0; b < K / QK; b++) {
+      uint8_t* o = out + b * panel_block_bytes(T);
+      for (int64_t r = 0; r < PANEL; r++) {
+        const uint8_t* row = weight + (n0 + r) * row_bytes;
+        std::memcpy(o + 2 * r, row + b * Traits<T>::kBlockBytes, 2);  // d
+        uint8_t codes[QK];
+        block_codes<T>(row, b / GROUP, int(b % GROUP), codes);
+        if constexpr (T == Q8_0) {
+          for (int c = 0; c < 8; c++)
+            for (int i = 0; i < 4; i++) o[32 + 64 * c + 4 * r + i] = uint8_t(codes[4 * c + i] ^ 0x80);
+        } else {
+          pack_nibbles(codes, r, o + 32);
+          for (int i = 0; i < 4; i++) {
+            int bits = 0;
+            for (int c = 0; c < 8; c++) bits |= (codes[4 * c + i] >> 4) << c;
+            o[288 + 4 * r + i] = uint8_t(bits);
+          }
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t s = 0; s < K / QK_K; s++) {
     uint8_t* o = out + s * panel_block_bytes(T);
     for (int64_t r = 0; r < PANEL; r++) {
       const uint8_t* row = weight + (n0 + r) * row_bytes;
@@ -91,10 +135,7 @@ inline void pack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n0, int
       const int64_t header = T == Q4_K ? 320 : 288, per_block = T == Q4_K ? 256 : 384;
       for (int j = 0; j < GROUP; j++) {
         uint8_t* b = o + header + j * per_block;
-        for (int c = 0; c < 4; c++)
-          for (int i = 0; i < 4; i++)
-            b[64 * c + 4 * r + i] = uint8_t((codes[j][4 * c + i] & 15) |
-                                            (codes[j][16 + 4 * c + i] & 15) << 4);
+        pack_nibbles(codes[j], r, b);
         if constexpr (T == Q6_K)
           for (int k = 0; k < 2; k++)
             for (int i = 0; i < 4; i++) {
@@ -105,32 +146,36 @@ inline void pack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n0, int
       }
     }
   }
-  (void)nblocks;
 }
 
 // The panel order in plain C++, from the file's own blocks: out[t * ldy] for activation rows
 // r0 + t (t < rows) and the file-layout weight row `row`.
+// Built without auto-vectorisation: GCC 12 turns its signed-by-signed byte products into
+// VPDPBUSD (unsigned by signed) where AVX512-VNNI is on, and the reference must stay plain C++.
 template <int T>
+__attribute__((optimize("no-tree-vectorize")))
 inline void reference(const uint8_t* row, int64_t K, const Activations& x, const PanelSums& sums,
                       int64_t r0, int64_t rows, float* out, int64_t ldy) {
-  constexpr int kOffset = T == Q6_K ? 32 : 0;
   const int64_t nblocks = K / QK;
   for (int64_t t = 0; t < rows; t++) {
     const int8_t* q = x.row_codes(r0 + t);
     const float* d = x.row_scales(r0 + t);
     const float* s32 = sums.s32 + (r0 + t) * (x.padded / QK);
     float acc = 0.0f, mac = 0.0f;
-    for (int64_t g = 0; g < nblocks / GROUP; g++) {
+    for (int64_t g = 0; g < (nblocks + GROUP - 1) / GROUP; g++) {
       GroupParams p;
       group_params<T>(row, g, nblocks, load_half, p);
-      for (int j = 0; j < GROUP; j++) {
+      for (int j = 0; j < p.blocks; j++) {
         const int64_t b = g * GROUP + j;
         uint8_t codes[QK];
         block_codes<T>(row, g, j, codes);
         int32_t integer = 0;
         for (int h = 0; h < 2; h++) {
           int32_t half = 0;
-          for (int i = 16 * h; i < 16 * h + 16; i++) half += (int(codes[i]) - kOffset) * q[QK * b + i];
+          for (int i = 16 * h; i < 16 * h + 16; i++) {  // u - offset: Q8_0's int8 code
+            const int w = T == Q8_0 ? int(int8_t(codes[i])) : int(codes[i]) - kPanelOffset<T>;
+            half += w * q[QK * b + i];
+          }
           integer += int32_t(p.sub[j][h]) * half;
         }
         acc = std::fma(float(integer), p.scale[j] * d[b], acc);
