@@ -180,6 +180,8 @@ struct PanelKernel {
     }
   }
 
+  static constexpr int64_t kAhead = 8;  // blocks fetched ahead of the one multiplied
+
   // One block's codes and factors for 16 rows, decoded once for every activation row.
   struct Block {
     __m512i chunk[8];        // chunk c: the codes of elements 4c .. 4c + 3 (u8, 16 rows)
@@ -251,7 +253,13 @@ struct PanelKernel {
     const int64_t nblocks = K / QK, blocks_per_row = x.padded / QK;
     __m512 acc[kTile], mac[kTile];
     for (int64_t t = 0; t < rows; t++) acc[t] = mac[t] = _mm512_setzero_ps();
+    // a block's share of the panel's bytes, to fetch ahead: with several rows a block's
+    // products outlast the hardware prefetcher's reach, and every block would wait on memory
+    constexpr int64_t kBlockShare = panel_block_bytes(T) * QK / panel_block_size(T);
     for (int64_t b = 0; b < nblocks; b++) {
+      const char* ahead = reinterpret_cast<const char*>(panel) + (b + kAhead) * kBlockShare;
+      for (int64_t line = 0; line < kBlockShare; line += 64)
+        _mm_prefetch(ahead + line, _MM_HINT_T0);
       // 1. the block's codes and factors, once for all rows
       Block k;
       decode<T>(panel, b, k);

@@ -48,11 +48,11 @@ inline bool has_panels(int type) {
   return type == Q4_K || type == Q6_K || type == Q5_0 || type == Q8_0;
 }
 
-inline int64_t panel_block_bytes(int type) {  // one (super-)block of one panel
+constexpr int64_t panel_block_bytes(int type) {  // one (super-)block of one panel
   return type == Q4_K ? 2368 : type == Q6_K ? 3360 : type == Q5_0 ? 352 : type == Q8_0 ? 544 : 0;
 }
 
-inline int64_t panel_block_size(int type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
+constexpr int64_t panel_block_size(int type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
 
 inline int64_t panel_bytes(int type, int64_t K) {  // one panel: 16 rows of K values
   return K / panel_block_size(type) * panel_block_bytes(type);
