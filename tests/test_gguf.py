@@ -358,6 +358,7 @@ def test_auto_weights_follow_the_kernels_that_run_here(monkeypatch, bf16_kernels
     """dequantize="auto": bfloat16 where the C++ bfloat16 kernels run, the file's own formats
     elsewhere; None and "bf16" as given; off the CPU bfloat16 (no quantised kernels there)."""
     monkeypatch.setattr(cpu, "runs_bf16_kernels", lambda: bf16_kernels)
+    monkeypatch.setattr(loading.quant_kernels, "panel_types_here", lambda: frozenset())
     assert loading.weights_for("auto") == ("bf16" if bf16_kernels else None)
     assert loading.weights_for(None) is None and loading.weights_for("bf16") == "bf16"
     assert loading.weights_for("auto", device="cuda") == "bf16"
@@ -401,3 +402,17 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2, draft):
     assert decoder.target.model.lm_head.weight.quantized  # the file's blocks, not bf16
     output = decoder.generate(PROMPT, params)
     assert output.token_ids == plain.token_ids
+
+
+def test_auto_weights_run_q4_k_m_files_as_they_are_where_panels_run(tiny_file, monkeypatch):
+    """A file whose weights are mostly panel types (Q4_K_M) keeps its own bit width where the
+    kernels multiply them as panels, even beside the bfloat16 kernels; other files do not."""
+    path, _ = tiny_file
+    file = read(path)
+    monkeypatch.setattr(cpu, "runs_bf16_kernels", lambda: True)
+    panels = "k-types" in path.name  # the 32-value model is mostly Q4_1 / Q5_1 / Q4_0
+    monkeypatch.setattr(loading.quant_kernels, "panel_types_here",
+                        lambda: loading.quant_kernels.PANEL_TYPES)
+    assert loading.weights_for("auto", file=file) == (None if panels else "bf16")
+    monkeypatch.setattr(loading.quant_kernels, "panel_types_here", lambda: frozenset())
+    assert loading.weights_for("auto", file=file) == "bf16"

