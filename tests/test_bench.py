@@ -191,3 +191,72 @@ def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, t
         BenchConfig(methods=("ngram",), batch_sizes=(2,))
     with pytest.raises(ValueError, match="batch_queue"):
         BenchConfig(batch_sizes=(2,), batch_queue=0)
+
+
+def _count_measurements(monkeypatch):
+    """Spy on the decoder's cost measurements: a list of (kind, batch size) per measurement."""
+    import verispec.decoder as decoder_module
+
+    measured = []
+    one_row, batch = decoder_module.measure_costs, decoder_module.measure_batch_costs
+
+    def measure_costs(*args, **kwargs):
+        measured.append(("one-row", 1))
+        return one_row(*args, **kwargs)
+
+    def measure_batch_costs(*args, **kwargs):
+        measured.append(("batch", kwargs["batch"]))
+        return batch(*args, **kwargs)
+
+    monkeypatch.setattr(decoder_module, "measure_costs", measure_costs)
+    monkeypatch.setattr(decoder_module, "measure_batch_costs", measure_batch_costs)
+    return measured
+
+
+def test_verify_modes_of_one_method_share_one_cost_model(model_folders, tmp_path, monkeypatch):
+    """A method's verify modes at one K price rounds with one cost model, measured once: two
+    measurements differ by the machine's drift, and K with them, which would confound a
+    block-against-token comparison. The report shows one model per (method, K)."""
+    measured = _count_measurements(monkeypatch)
+    config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
+                         methods=("baseline", "draft"), ks=("auto", 2),
+                         verifies=("token", "block", "invariant"), temperature=1.0, limit=1,
+                         max_new_tokens=6, out=tmp_path / "out")
+    results = run_bench(config, progress=False)
+    assert {"draft[k=auto][token]", "draft[k=auto][block]", "draft[k=auto][invariant]",
+            "draft[k=2][token]"} <= set(results["methods"])
+    assert measured == [("one-row", 1)]  # the fixed-K methods price nothing
+    assert list(results["costs"]) == ["draft[k=auto]"]
+    shared = results["costs"]["draft[k=auto]"]
+    assert shared["methods"] == ["draft[k=auto][token]", "draft[k=auto][block]",
+                                 "draft[k=auto][invariant]"]
+    assert shared["draft_step"] >= 0.0 and len(shared["verify"]) > 1
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert ("- draft[k=auto] (shared by draft[k=auto][token], draft[k=auto][block], "
+            "draft[k=auto][invariant]): draft step c = ") in report
+
+
+def test_batched_bench_runs_each_verify_mode_on_shared_cost_models(model_folders, tmp_path,
+                                                                     monkeypatch):
+    """The batched benchmark runs each method under its own verify mode, and a method's verify
+    modes share the cost model of every batch size: each is measured once."""
+    from verispec import SamplingParams, SpeculativeDecoder
+
+    measured = _count_measurements(monkeypatch)
+    verifies = set()
+    generate = SpeculativeDecoder.generate
+
+    def spy(self, prompt, params=None, *args, **kwargs):
+        if isinstance(params, SamplingParams) and not params.greedy:  # the timed runs
+            verifies.add((self.drafter is not None, params.verify))
+        return generate(self, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
+                         methods=("baseline", "draft"), verifies=("token", "block"),
+                         temperature=1.0, limit=2, max_new_tokens=6, batch_sizes=(1, 2),
+                         batch_queue=1, runtime="native", out=tmp_path / "b")
+    results = run_bench(config, progress=False)
+    assert set(results["batch"]["by_batch"][2]) == {"baseline", "draft[token]", "draft[block]"}
+    assert verifies == {(False, "block"), (True, "token"), (True, "block")}
+    assert sorted(measured) == [("batch", 2), ("one-row", 1)]

@@ -79,25 +79,25 @@ class SpeculativeDecoder:
         self.lookup_k = k  # for requests that bring their own draft source (a prediction)
         self.chat = chat
         self.eos_ids = eos_ids(target, tokenizer)
-        self._costs: CostModel | None = costs
-        self._batch_costs: dict[int, CostModel] = {}
+        # cost models by batch size (1: the one-row model), each measured on first use; one
+        # dict, so that `share_costs` shares the measured and the still unmeasured alike
+        self._cost_models: dict[int, CostModel] = {} if costs is None else {1: costs}
 
     @property
     def costs(self) -> CostModel:
         """The measured cost model (draft step and verification costs), measured once."""
-        if self._costs is None:
-            self._costs = measure_costs(self.target, self.drafter,
-                                        k_max=self.config.auto_k_max, repeats=5)
+        if 1 not in self._cost_models:
+            costs = measure_costs(self.target, self.drafter, k_max=self.config.auto_k_max,
+                                  repeats=5)
             log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s (after %d tokens; "
                      "after %d: %s, c=%s), target step %.1f ms",
-                     self._costs.draft_step, self.config.auto_k_max + 1,
-                     " ".join(f"{v:.2f}" for v in self._costs.verify), self._costs.contexts[0],
-                     self._costs.contexts[1],
-                     " ".join(f"{v:.2f}" for v in self._costs.long_verify or ()) or "-",
-                     "-" if self._costs.long_draft_step is None
-                     else f"{self._costs.long_draft_step:.3f}",
-                     self._costs.target_step_s * 1e3)
-        return self._costs
+                     costs.draft_step, self.config.auto_k_max + 1,
+                     " ".join(f"{v:.2f}" for v in costs.verify), costs.contexts[0],
+                     costs.contexts[1], " ".join(f"{v:.2f}" for v in costs.long_verify or ())
+                     or "-", "-" if costs.long_draft_step is None
+                     else f"{costs.long_draft_step:.3f}", costs.target_step_s * 1e3)
+            self._cost_models[1] = costs
+        return self._cost_models[1]
 
     def batch_costs(self, batch: int) -> CostModel:
         """The cost model of a batch of this size (rounded up to a measured size), in units of
@@ -105,14 +105,23 @@ class SpeculativeDecoder:
         size = self.config.cost_batch_size(batch)
         if size == 1:
             return self.costs
-        if size not in self._batch_costs:
+        if size not in self._cost_models:
             k_max = self.config.auto_k_max
             costs = measure_batch_costs(self.target, self.drafter, batch=size, k_max=k_max,
                                         greedy_trees=size <= self.config.tree_max_batch)
             log.info("cost model at batch %d: c=%.3f, v(1..%d)=%s", size, costs.draft_step,
                      k_max + 1, " ".join(f"{v:.2f}" for v in costs.verify))
-            self._batch_costs[size] = costs
-        return self._batch_costs[size]
+            self._cost_models[size] = costs
+        return self._cost_models[size]
+
+    def share_costs(self, other: SpeculativeDecoder) -> None:
+        """Price rounds with `other`'s cost models from now on: the one-row model and every
+        batch size's, each measured once for both, by whichever decoder needs it first.
+        Decoders compared in one run (a benchmark's verify modes of one method and K) then
+        take the same K decisions on the same acceptance history, where two measurements
+        differ by the machine's drift (c 0.435 against 0.327 in one run) and move K by one.
+        For decoders of the same target, runtime and kind of drafter."""
+        self._cost_models = other._cost_models
 
     def reset(self) -> None:
         """Drop the KV caches, so the next request pays its full prompt pass (benchmarks)."""

@@ -31,7 +31,8 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
         size = batch * queue
         chunks = [prompt_ids[i:i + size] for i in range(0, len(prompt_ids), size)]
         # 1. Warm-up at this batch size, and the cost models of every batch size a shrinking
-        #    batch passes through (measured once per size), outside the timed runs.
+        #    batch passes through (measured once per size, and once for the verify modes of
+        #    a method and K, which share them), outside the timed runs.
         for method in methods:
             decoder = method.decoder
             if decoder.k == "auto" and decoder.drafter is not None:
@@ -49,7 +50,8 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
             for method in rotated(methods, c):
                 bar.set_postfix_str(f"B={batch}: {method.name}")
                 start = time.perf_counter()
-                outputs[method.name] = method.decoder.generate(chunk, params, max_batch=batch)
+                outputs[method.name] = method.decoder.generate(chunk, method.params(params),
+                                                               max_batch=batch)
                 wall = time.perf_counter() - start
                 entry = totals[method.name]
                 entry["wall_s"] += wall

@@ -40,20 +40,25 @@ class VerispecMethod:
     runtime = "verispec"
 
     def __init__(self, name: str, decoder: SpeculativeDecoder, verify: str | None = None,
-                 takes_prediction: bool = False) -> None:
+                 takes_prediction: bool = False, group: str | None = None) -> None:
         """verify: the verification procedure its sampled rows use (None: the params');
-        takes_prediction: the runner hands it each prompt's prediction (Predicted Outputs)."""
+        takes_prediction: the runner hands it each prompt's prediction (Predicted Outputs);
+        group: the methods whose decoders share one cost model (`share_costs`: a method's
+        verify modes at one K), by default its name."""
         self.name = name
         self.decoder = decoder
         self.verify = verify
         self.takes_prediction = takes_prediction
+        self.group = group or name
+
+    def params(self, params: SamplingParams) -> SamplingParams:
+        """The params it runs a request with: the given ones under its verify mode."""
+        return params if self.verify is None else dataclasses.replace(params, verify=self.verify)
 
     def run(self, prompt_ids: list[int], params: SamplingParams,
             prediction: str | None = None) -> MethodRun:
         self.decoder.reset()  # every method pays its own prompt pass
-        if self.verify is not None:
-            params = dataclasses.replace(params, verify=self.verify)
-        out = self.decoder.generate(prompt_ids, params, prediction=prediction)
+        out = self.decoder.generate(prompt_ids, self.params(params), prediction=prediction)
         stats = out.stats
         return MethodRun(out.token_ids, stats.wall_s, stats.target_forwards, stats.accepted,
                          stats.checked, tuple(stats.per_position_accepted),

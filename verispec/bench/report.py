@@ -172,6 +172,9 @@ def render_markdown(results: dict) -> str:
                 at_long += f" (c = {cost['long_draft_step']:.3f})"
             if cost.get("sampling_step"):
                 at_long += f"; sampled rows +{cost['sampling_step']:.3f} a drafted token"
+            shared = cost.get("methods", [name])
+            if shared != [name]:  # the verify modes of one method and K price rounds alike
+                name = f"{name} (shared by {', '.join(shared)})"
             lines.append(f"- {name}: draft step c = {cost['draft_step']:.3f}; verify v(1..n) = "
                          f"{curve} after {short} tokens{at_long}; one target step = "
                          f"{cost['target_step_s'] * 1e3:.1f} ms")

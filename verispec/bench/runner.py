@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import platform
@@ -77,13 +76,15 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     if config.batch_sizes:
         return _run_batched(config, methods, notes, prompt_ids, model, runners)
 
-    # 3. Warm-up (and the cost model of every adaptive method), then the interleaved runs.
-    costs = {}
+    # 3. Warm-up (and the cost model of every adaptive method: one per group, measured by
+    #    its first method and shared by the others), then the interleaved runs.
+    costs: dict[str, dict] = {}
     for method in methods:
         method.run(prompt_ids[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
         decoder = getattr(method, "decoder", None)
         if decoder is not None and decoder.k == "auto":
-            costs[method.name] = asdict(decoder.costs)
+            entry = costs.setdefault(method.group, dict(asdict(decoder.costs), methods=[]))
+            entry["methods"].append(method.name)
     records = []
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run",
                disable=not progress, file=sys.stderr)
@@ -156,20 +157,21 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                     name if verify == "block" else f"{name}[invariant]",
                     SpeculativeDecoder(model, tokenizer, None, runtime=runners.target), verify))
         elif name in ("ngram", "draft", "hybrid"):
-            for k, verify in itertools.product(config.ks, config.verifies):
-                if name == "ngram":
-                    drafter = NgramDrafter()
-                elif runners.feature_drafter is not None:
-                    drafter = runners.feature_drafter.fork()
-                else:
-                    drafter = ModelDrafter(runners.draft, vocab_size(model), head_token_ids)
-                if name == "hybrid":
-                    drafter = HybridDrafter(drafter)
-                label = name if len(config.ks) == 1 else f"{name}[k={k}]"
-                if len(config.verifies) > 1:
-                    label += f"[{verify}]"
-                methods.append(VerispecMethod(label, SpeculativeDecoder(
-                    model, tokenizer, drafter, k=k, runtime=runners.target), verify))
+            for k in config.ks:
+                group = name if len(config.ks) == 1 else f"{name}[k={k}]"
+                first = None
+                for verify in config.verifies:
+                    decoder = SpeculativeDecoder(
+                        model, tokenizer, _drafter(name, model, runners, head_token_ids), k=k,
+                        runtime=runners.target)
+                    # One cost model for the verify modes of one (method, K): measured once,
+                    # so that they take the same K decisions and differ only in verification.
+                    if first is None:
+                        first = decoder
+                    else:
+                        decoder.share_costs(first)
+                    label = group if len(config.verifies) == 1 else f"{group}[{verify}]"
+                    methods.append(VerispecMethod(label, decoder, verify, group=group))
         elif name == "predicted":
             methods.append(VerispecMethod(name, SpeculativeDecoder(
                 model, tokenizer, None, k=config.ks[0], runtime=runners.target),
@@ -183,6 +185,17 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
             methods.append(HFMethod(name, model, eos_ids, assistant_model=assistant_model))
     llamacpp.add_methods(config, methods, notes)
     return methods, notes
+
+
+def _drafter(name: str, model, runners: Runners, head_token_ids):
+    """A fresh drafter for one decoder of method `name` ("ngram", "draft" or "hybrid")."""
+    if name == "ngram":
+        return NgramDrafter()
+    if runners.feature_drafter is not None:
+        drafter = runners.feature_drafter.fork()
+    else:
+        drafter = ModelDrafter(runners.draft, vocab_size(model), head_token_ids)
+    return HybridDrafter(drafter) if name == "hybrid" else drafter
 
 
 def prompt_records(prompt, prompt_tokens: int, methods, runs: dict[str, MethodRun],
