@@ -272,3 +272,59 @@ def test_negative_control_unshared_noise_checked_against_the_drafts_own_draw_fai
 
     joint = (target[0][:, None] * target[1]).flatten()
     assert chi2_pvalue(first_two(target, draft, own_draw, draft_noise=10**6), joint) < 1e-6
+
+
+def plain_invariant_draw(probs: torch.Tensor, seed: int, positions: list[int]) -> torch.Tensor:
+    """invariant_sample's definition over the whole vocabulary, the hash in Python integers:
+    argmax_x p(x) / E(x), E = -log u, u = ((bits >> 12) + 1/2) / 2^52 (torch's log: the one
+    verispec takes)."""
+    mask, golden, salt = (1 << 64) - 1, 0x9E3779B97F4A7C15, 0x5851F42D4C957F2D
+    seed_key = splitmix64_reference((seed & mask) ^ salt)
+    uniforms = []
+    for position in positions:
+        key = splitmix64_reference((seed_key + (position + 1) * golden) & mask)
+        uniforms.append([((splitmix64_reference((key + (token + 1) * golden) & mask) >> 12)
+                          + 0.5) * 2.0 ** -52 for token in range(probs.shape[-1])])
+    noise = -torch.tensor(uniforms, dtype=torch.float64).log()
+    return (probs.double() / noise).max(dim=-1).indices
+
+
+def test_invariant_draws_equal_the_plain_argmax_over_the_vocabulary(monkeypatch):
+    """invariant_sample takes E and p / E only at the tokens that can win (those over a cut
+    under the top token's probability, and those whose noise is small enough to win from
+    under it); its draws are the plain argmax's token for token: on rows whose mass is mostly
+    under the cut (a 0.3 head over a flat tail), peaked, flat, sparse and unnormalised rows
+    with ties, in float32, float64 and bfloat16. Control: without the small-noise candidates
+    the tail's winners are missed."""
+    import numpy as np
+
+    from verispec import sampling
+
+    vocab, generator = 4096, torch.Generator().manual_seed(0)
+    head_tail = torch.full((8, vocab), 0.7 / (vocab - 1))
+    head_tail[torch.arange(8), torch.randint(0, vocab, (8,), generator=generator)] = 0.3
+    logits = torch.randn(4, vocab, generator=generator)
+    sparse = torch.softmax(4 * logits, -1)
+    sparse = sparse.masked_fill(sparse < sparse.topk(20, -1).values[:, -1:], 0.0)
+    rows = torch.cat([head_tail, torch.softmax(4 * logits, -1), torch.softmax(0.3 * logits, -1),
+                      sparse, (torch.softmax(2 * logits, -1) * 1000).round() + 1.0])  # [24, V]
+    positions = list(range(100, 100 + rows.shape[0]))
+    expected = plain_invariant_draw(rows, 12345, positions)
+    for dtype in (torch.float32, torch.float64):
+        assert torch.equal(invariant_sample(rows.to(dtype), 12345, positions), expected)
+    half = rows.bfloat16()
+    assert torch.equal(invariant_sample(half, 12345, positions),
+                       plain_invariant_draw(half, 12345, positions))
+    one_by_one = [int(invariant_sample(rows[i:i + 1], 12345, [p])[0])
+                  for i, p in enumerate(positions)]
+    assert one_by_one == expected.tolist()
+    assert invariant_sample(rows[:0], 12345, []).shape == (0,)
+
+    candidates = sampling._candidates
+
+    def without_small_noise(probs, keys, cut, least, counters):
+        return candidates(probs, keys, cut, np.full_like(least, (1 << 52) - 1), counters)
+
+    monkeypatch.setattr(sampling, "_candidates", without_small_noise)
+    missed = invariant_sample(rows, 12345, positions) != expected
+    assert missed[:8].sum() >= 3 and not missed[8:12].any()  # tail winners missed, peaked fine

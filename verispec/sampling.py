@@ -140,16 +140,29 @@ def wrap_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+_ROUNDS = ((30, _MIX1), (27, _MIX2), (31, None))  # SplitMix64's finaliser: shift, multiplier
+
+
 def _mix64_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser, in place on int64 bit patterns (multiplication wraps mod 2^64;
     torch's >> on int64 is arithmetic, so each shift is masked to a logical one). In place,
     with one scratch tensor: over a 49k vocabulary fresh allocations cost more than the
     arithmetic."""
-    for bits, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+    for bits, multiplier in _ROUNDS:
         torch.bitwise_right_shift(x, bits, out=scratch)
         x ^= scratch.bitwise_and_((1 << (64 - bits)) - 1)
         if multiplier is not None:
             x *= wrap_int64(multiplier)
+    return x
+
+
+def _mix64_numpy_(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """`_mix64_` on uint64 arrays (>> on uint64 is logical: no masks), the same bits."""
+    for bits, multiplier in _ROUNDS:
+        np.right_shift(x, bits, out=scratch)
+        x ^= scratch
+        if multiplier is not None:
+            np.multiply(x, np.uint64(multiplier), out=x)
     return x
 
 
@@ -182,27 +195,58 @@ def position_noise(seed: int | Sequence[int] | torch.Tensor,
     (token + 1) * golden); the top 52 bits give u = (bits + 1/2) / 2^52 in (0, 1), E = -log u
     (an Exp(1) draw) and G = -log E.
     """
-    return -torch.log(_position_exponentials(seed, position, vocab_size, device))
+    keys = _keys(seed, position, vocab_size, device)
+    counters = _token_counters(vocab_size, keys.device)
+    return -torch.log(_exponentials(_token_bits(keys.unsqueeze(-1), counters)))
 
 
-def _position_exponentials(seed: int | Sequence[int] | torch.Tensor,
-                           position: int | Sequence[int] | torch.Tensor,
-                           vocab_size: int, device: torch.device | str | None) -> torch.Tensor:
-    """E = exp(-G) [..., V] float64 > 0, i.i.d. Exp(1) across (seed, position, token)."""
+def _keys(seed: int | Sequence[int] | torch.Tensor, position: int | Sequence[int] | torch.Tensor,
+          vocab_size: int, device: torch.device | str | None) -> torch.Tensor:
+    """Each (seed, position)'s key [...] int64: mix(mix(seed ^ salt) + (position + 1) * golden)."""
     if not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     if isinstance(position, int) and position < 0:
         raise ValueError(f"a position must be >= 0, got {position}")
     seeds, positions = _as_int64(seed, device), _as_int64(position, device)
     seeds, positions = torch.broadcast_tensors(seeds.to(positions.device), positions)
+    if seeds.device.type == "cpu":  # ~20 us, where ~30 tiny torch calls take ~50
+        key = _u64(seeds) ^ np.uint64(_SEED_SALT)
+        key = np.add(_mix64_numpy_(key, np.empty_like(key)),
+                     (_u64(positions) + np.uint64(1)) * np.uint64(_GOLDEN), out=key)
+        key = _mix64_numpy_(key, np.empty_like(key))
+        return torch.from_numpy(key.view(np.int64)).reshape(seeds.shape)
     key = _mix64_(seeds ^ wrap_int64(_SEED_SALT), torch.empty_like(seeds))
-    key = _mix64_(key + (positions + 1) * wrap_int64(_GOLDEN), torch.empty_like(key))  # [...]
-    bits = key.unsqueeze(-1) + _token_counters(vocab_size, key.device)  # [..., V]
+    return _mix64_(key + (positions + 1) * wrap_int64(_GOLDEN), torch.empty_like(key))
+
+
+def _token_bits(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The top 52 bits of mix(key + counter), int64 in [0, 2^52): keys and counters ((token +
+    1) * golden, `_token_counters`) broadcast together. On the CPU through NumPy, whose >> on
+    uint64 is logical (no masks) and whose uint64 kernels take about half torch's time."""
+    if keys.device.type == "cpu":
+        key, counter = _u64(keys), _u64(counters)
+        bits = np.add(key, counter, out=np.empty(np.broadcast_shapes(key.shape, counter.shape),
+                                                 np.uint64))
+        _mix64_numpy_(bits, np.empty_like(bits))
+        bits = torch.from_numpy(np.right_shift(bits, 12, out=bits).view(np.int64))
+        return bits.reshape(torch.broadcast_shapes(keys.shape, counters.shape))
+    bits = keys + counters
     scratch = torch.empty_like(bits)
     _mix64_(bits, scratch)
-    torch.bitwise_right_shift(bits, 12, out=scratch).bitwise_and_((1 << 52) - 1)
-    uniform = scratch.double().add_(0.5).mul_(2.0 ** -52)  # [..., V] in (0, 1)
-    return uniform.log_().neg_()
+    return torch.bitwise_right_shift(bits, 12, out=scratch).bitwise_and_((1 << 52) - 1)
+
+
+def _u64(values: torch.Tensor) -> np.ndarray:
+    """A CPU int64 tensor's bits as a uint64 array, not copied where it can be viewed (an
+    array at least one-dimensional: NumPy's in-place ops need one; a 0-d tensor gives [1])."""
+    return np.atleast_1d(values.numpy()).view(np.uint64).reshape(values.shape or (1,))
+
+
+def _exponentials(bits: torch.Tensor) -> torch.Tensor:
+    """E = -log u > 0 float64 from bits (`_token_bits`), u = (bits + 1/2) / 2^52 in (0, 1):
+    i.i.d. Exp(1) across (seed, position, token). Elementwise, and torch's log gives an
+    element the same bits at any place in any tensor: E at a few tokens is E over all there."""
+    return bits.double().add_(0.5).mul_(2.0 ** -52).log_().neg_()
 
 
 @functools.lru_cache(maxsize=8)
@@ -218,11 +262,95 @@ def invariant_draw(probs: torch.Tensor, seed: int | Sequence[int] | torch.Tensor
     """`invariant_sample` without its check: (tokens [...], ok [...] bool: the drawn token has
     positive mass; False for a row of zeros or NaN). For callers that fold the check into the
     host sync they make anyway."""
-    exponentials = _position_exponentials(seed, positions, probs.shape[-1], probs.device)
-    # argmax(log p + G) = argmax(p / E), G = -log E: one log over V instead of three.
-    tokens = (probs.double() / exponentials).max(dim=-1).indices  # [...]
+    vocab = probs.shape[-1]
+    keys = _keys(seed, positions, vocab, probs.device)  # [...]
+    shape = torch.broadcast_shapes(probs.shape[:-1], keys.shape)
+    tokens = _noisy_argmax(probs.expand(*shape, vocab).reshape(-1, vocab),
+                           keys.expand(shape).reshape(-1)).reshape(shape)
     ok = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) > 0
     return tokens, ok
+
+
+def _noisy_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax_x probs[x] / E[x] per row, the first on ties, E the row's noise (`_exponentials`
+    of `_token_bits(key, .)`): probs [N, V], keys [N] -> tokens [N]; argmax(log p + G) =
+    argmax(p / E), G = -log E: one log over V instead of three.
+
+    Bit for bit `(probs.double() / E).max(-1).indices`, in a fraction of the time on the CPU,
+    where E and the ratio are taken only at the tokens that can win. The ratio at the most
+    probable token, p* / E*, bounds the best from below, so a token under cut = p* / 1024
+    needs E < cut / bound (= E* / 1024) to reach it: its bits above a threshold. The
+    candidates are the tokens over the cut (a few to a few hundred on a language model's
+    distributions) and those over the threshold (~0.1%); the hash is still taken over the
+    whole vocabulary (`_candidates`). Margins cover the rounding of log, exp and the division
+    (~1e-16 against 1e-9). Off the CPU, for no rows, or for a row without a positive finite
+    maximum (it draws what it drew, and is refused by the caller), the plain form."""
+    num_rows, vocab = probs.shape
+    counters = _token_counters(vocab, keys.device)  # [V]
+
+    def plain() -> torch.Tensor:
+        noise = _exponentials(_token_bits(keys.unsqueeze(-1), counters))  # [N, V]
+        return (probs.double() / noise).max(dim=-1).indices
+
+    if probs.device.type != "cpu" or not num_rows:
+        return plain()
+    if probs.dtype not in (torch.float32, torch.float64):
+        probs = probs.float()  # exact, as probs.double() after it
+    values = probs.detach().numpy()  # [N, V]
+    top_token = np.argmax(values, axis=-1)  # [N]
+    top = values[np.arange(num_rows), top_token]
+    if not bool((np.isfinite(top) & (top > 0)).all()):
+        return plain()
+    key, counter = _u64(keys), _u64(counters)
+
+    def ratio(rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """probs.double() / E at these (row, token) pairs: the same bits as over all."""
+        bits = np.add(key[rows], counter[tokens])
+        bits = np.right_shift(_mix64_numpy_(bits, np.empty_like(bits)), 12, out=bits)
+        noise = _exponentials(torch.from_numpy(bits.view(np.int64))).numpy()
+        return values[rows, tokens].astype(np.float64) / noise
+
+    # 1. A lower bound on the best ratio; the least bits a token under the cut needs.
+    bound = ratio(np.arange(num_rows), top_token)  # [N]
+    cut = top * 2.0 ** -10  # [N], exact
+    reach = cut.astype(np.float64) / bound * (1.0 + 1e-9)  # the E it needs, at most
+    least = np.floor(np.exp(-reach) * 2.0 ** 52) - 4  # u >= exp(-reach): bits >= least
+    # 2. The exact ratio at the candidates (grouped by row, every row has its top); each
+    #    row's first maximum among them.
+    flat = _candidates(values, key, cut, least.clip(min=0).astype(np.uint64), counter)
+    rows, tokens = np.divmod(flat, vocab)
+    at = ratio(rows, tokens)
+    starts = np.searchsorted(rows, np.arange(num_rows))
+    best = np.maximum.reduceat(at, starts)  # [N]
+    first = np.where(at == best[rows], tokens, vocab)
+    return torch.from_numpy(np.minimum.reduceat(first, starts))
+
+
+_CHUNK = 1 << 16  # tokens hashed at a time: the hash's passes stay in a core's L2
+
+
+def _candidates(probs: np.ndarray, keys: np.ndarray, cut: np.ndarray, least: np.ndarray,
+                counters: np.ndarray) -> np.ndarray:
+    """Flat indices (row * V + token, ascending) of the tokens with probs[n] >= cut[n] or bits
+    (`_token_bits(keys[n], counters)`) >= least[n]: probs [N, V], keys, least [N] uint64, cut
+    [N], counters [V] uint64. A row and a chunk of tokens at a time: over [9, 49152] at once
+    the hash's eight passes spill out of L2 (~4x slower)."""
+    vocab = probs.shape[-1]
+    size = min(_CHUNK, vocab)
+    bits, scratch = np.empty(size, np.uint64), np.empty(size, np.uint64)
+    hit, over = np.empty(size, bool), np.empty(size, bool)
+    found = []
+    for row in range(probs.shape[0]):
+        floor = least[row] << np.uint64(12)  # bits >> 12 >= least  <=>  bits >= least << 12
+        for start in range(0, vocab, _CHUNK):
+            stop = min(start + _CHUNK, vocab)
+            chunk = np.add(counters[start:stop], keys[row], out=bits[: stop - start])
+            _mix64_numpy_(chunk, scratch[: stop - start])
+            reached = np.greater_equal(chunk, floor, out=hit[: stop - start])
+            reached |= np.greater_equal(probs[row, start:stop], cut[row],
+                                        out=over[: stop - start])
+            found.append(np.flatnonzero(reached) + (row * vocab + start))
+    return np.concatenate(found)
 
 
 def invariant_sample(probs: torch.Tensor, seed: int | Sequence[int] | torch.Tensor,

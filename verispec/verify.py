@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from verispec.sampling import greedy_tokens, invariant_draw, inverse_cdf, sample, wrap_int64
@@ -138,21 +139,16 @@ def _block(draft_tokens, draft_probs, target_probs, num_draft, coins, next_unifo
     real = _real(num_draft, num_positions)  # [B, K]
     target_at_draft, draft_at_draft = _at_draft(draft_tokens, draft_probs, target_probs, real)
     # 1. p_i = min(1, p_{i-1} p(x_i) / q(x_i)), p_0 = 1, in float64 (p(x_i) = 0 -> 0).
-    weights = [torch.ones(batch_size, dtype=torch.float64, device=device)]
-    for i in range(num_positions):
-        carried = weights[-1] * target_at_draft[:, i].double()  # [B]
-        draft_mass = draft_at_draft[:, i].double()
-        weight = torch.where(carried >= draft_mass, 1.0, carried / draft_mass.clamp(min=1e-300))
-        weights.append(torch.where(carried > 0, weight, 0.0))
-    weight = torch.stack(weights, dim=1)  # [B, K+1]: p_0 .. p_K
-    # 2. Z_i and h_i at positions i = 0..K-1 (h_0 is never drawn: tau = 0 is "no coin").
-    mass = _residual_mass(weight[:, :num_positions], draft_tokens, draft_probs, target_probs,
-                          target_at_draft)  # [B, K]
-    stop = torch.where(mass > 0, mass / (mass + 1.0 - weight[:, :num_positions]).clamp(min=1e-300),
-                       0.0)
+    weight = _carried(target_at_draft.double(), draft_at_draft.double())  # [B, K+1]: p_0 .. p_K
+    # 2. Z_i and h_i at positions i = 1..K-1 (h_0 is never drawn: tau = 0 is "no coin"; its
+    #    Z_0 would be a pass over the vocabulary for nothing).
+    inner = weight[:, 1:num_positions]  # [B, K-1]
+    mass = _residual_mass(inner, None if draft_probs is None else draft_probs[:, 1:],
+                          target_probs[:, 1:num_positions], target_at_draft[:, 1:])
+    stop = torch.where(mass > 0, mass / (mass + 1.0 - inner).clamp(min=1e-300), 0.0)
     # 3. The coin at position i = 1..K: h_i before a row's last token, p_K at it, 0 past it.
     position = torch.arange(1, num_positions + 1, device=device)  # [K]
-    chance = torch.cat([stop[:, 1:], stop.new_zeros(batch_size, min(num_positions, 1))], dim=1)
+    chance = torch.cat([stop, stop.new_zeros(batch_size, min(num_positions, 1))], dim=1)
     chance = torch.where(position == num_draft[:, None], weight[:, 1:], chance)  # [B, K]
     chance = chance.masked_fill(position > num_draft[:, None], 0.0)
     came_up = coins < chance  # [B, K]
@@ -165,15 +161,37 @@ def _block(draft_tokens, draft_probs, target_probs, num_draft, coins, next_unifo
     return _finish(draft_tokens, num_accepted, next_dist, next_uniform)
 
 
-def _residual_mass(weight, draft_tokens, draft_probs, target_probs, target_at_draft):
-    """Z_i = sum_x max(0, p_i p(x | x_<=i) - q(x | x_<=i)) [B, K] float64, weight = p_i [B, K].
-    A point-mass draft (None) on x_{i+1}: p_i (1 - p(x_{i+1})), since p_i p(x) <= 1."""
+def _carried(target_mass: torch.Tensor, draft_mass: torch.Tensor) -> torch.Tensor:
+    """p_0 .. p_K [B, K+1] float64 from p(x_i) and q(x_i) [B, K] float64: p_0 = 1, p_i = 1
+    where p_{i-1} p(x_i) >= q(x_i), else p_{i-1} p(x_i) / q(x_i); 0 where p_{i-1} p(x_i) = 0.
+    A recursion over K positions of [B] numbers: on the CPU in NumPy, the same float64
+    operations (the same bits) at ~1 us a call against torch's ~5."""
+    cpu = target_mass.device.type == "cpu"
+    target = target_mass.detach().numpy() if cpu else target_mass
+    draft = draft_mass.detach().numpy() if cpu else draft_mass
+    safe_draft = np.maximum(draft, 1e-300) if cpu else draft.clamp(min=1e-300)
+    xp = np if cpu else torch
+    weights = [np.ones(target.shape[0]) if cpu else
+               torch.ones(target.shape[0], dtype=torch.float64, device=target.device)]
+    for i in range(target.shape[1]):
+        carried = weights[-1] * target[:, i]  # [B]
+        weight = xp.where(carried >= draft[:, i], 1.0, carried / safe_draft[:, i])
+        weights.append(xp.where(carried > 0, weight, 0.0))
+    return torch.from_numpy(np.stack(weights, 1)) if cpu else torch.stack(weights, 1)
+
+
+def _residual_mass(weight, draft_probs, target_probs, target_at_draft):
+    """Z_i = sum_x max(0, p_i p(x | x_<=i) - q(x | x_<=i)) [B, n] float64, weight = p_i [B, n],
+    draft_probs and target_probs [B, n, V], target_at_draft p(x_{i+1}) [B, n]. A point-mass
+    draft (None) on x_{i+1}: p_i (1 - p(x_{i+1})), since p_i p(x) <= 1."""
     if draft_probs is None:
         return weight * (1.0 - target_at_draft.double())
-    num_positions = draft_tokens.shape[1]
-    scale = weight.to(target_probs.dtype).unsqueeze(-1)  # [B, K, 1]
-    excess = (scale * target_probs[:, :num_positions] - draft_probs).clamp(min=0.0)  # [B, K, V]
-    return excess.sum(dim=-1, dtype=torch.float64)
+    excess = weight.to(target_probs.dtype).unsqueeze(-1) * target_probs  # [B, n, V]
+    # in place where the types allow it (they do after `warp`): at V = 152k a fresh
+    # [B, n, V] tensor costs as much as the arithmetic
+    excess = excess.sub_(draft_probs) if excess.dtype == draft_probs.dtype else (
+        excess - draft_probs)
+    return excess.clamp_(min=0.0).sum(dim=-1, dtype=torch.float64)
 
 
 def residual(
@@ -185,9 +203,9 @@ def residual(
     A rejection implies p != q, so the mass is positive; if rounding leaves no mass, fall back to
     p rather than divide by zero. Example: p = [.5, .5, 0], q = [1, 0, 0] -> [0, 1, 0].
     """
-    excess = (target_probs - draft_probs).clamp(min=0.0)
+    excess = (target_probs - draft_probs).clamp_(min=0.0)
     mass = excess.sum(dim=-1, keepdim=True)
-    return torch.where(mass > 0, excess / mass.clamp(min=1e-30), target_probs)
+    return torch.where(mass > 0, excess.div_(mass.clamp(min=1e-30)), target_probs)
 
 
 def greedy_verify(
