@@ -170,8 +170,10 @@ class SpeculativeDecoder:
         rows of a feature draft propose token trees this wide (1: chains); sampled_tree_width:
         sampled rows (default 1: chains; docs/token-trees.md). config: the decode loop's knobs.
         dequantize: how a quantized GGUF target (and a GGUF draft) runs under dtype "auto":
-        "auto" (default: dequantised to bfloat16 where the native C++ bfloat16 kernels run, at
-        its own bit width elsewhere; `loading.weights_for`), None (its own bit width) or "bf16"
+        "auto" (default: at its own bit width where the quantised kernels multiply most of it
+        as panels (AVX512-VNNI, Q4_K_M files), else dequantised to bfloat16 where the native
+        C++ bfloat16 kernels run, its own bit width elsewhere; `loading.weights_for`), None
+        (its own bit width) or "bf16"
         (transformers dequantises it; the native runtime keeps bfloat16). Runtime "hf" and int8
         run on dense weights: bf16."""
         k = parse_k(k)
