@@ -50,6 +50,11 @@ class DecodeConfig:
     # the prior within a few rounds, so speculation is retried.
     prior_weight: float = 0.5
     estimate_decay: float = 0.85
+    # A draft model's estimate starts optimistic (lookups start at 0.5): where its step costs
+    # half a target step (Qwen2.5-Coder-0.5B for the 1.5B), a 0.5 prior prices K = 1 out from
+    # the first round, and with nothing drafted no evidence ever raises the estimate. A weak
+    # draft's estimate falls within a round or two and is retried every ~15 rounds.
+    draft_prior: float = 0.8
     # A long prompt is fed in chunks, one a round, so a long prompt arriving in a running batch
     # delays the other rows' rounds by one chunk's pass, not its whole pass. That pass is the
     # longest wait between two of another stream's tokens, and its attention grows with the
@@ -74,6 +79,8 @@ class DecodeConfig:
             raise ValueError(f"tree_max_batch must be >= 0, got {self.tree_max_batch}")
         if not 0.0 <= self.cheap_draft < 1.0:
             raise ValueError(f"cheap_draft must be in [0, 1), got {self.cheap_draft}")
+        if not 0.0 < self.draft_prior < 1.0:
+            raise ValueError(f"draft_prior must be in (0, 1), got {self.draft_prior}")
         if self.prior_weight <= 0.0:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
         if self.prefill_chunk < 16:

@@ -199,9 +199,10 @@ class AdaptiveK:
         return optimal_k(gamma, prices.draft_step, prices.verify, prices.k_max)
 
     def _estimate(self, source: int) -> AcceptanceEstimate:
-        if source not in self.estimates:
-            self.estimates[source] = AcceptanceEstimate(prior_weight=self.config.prior_weight,
-                                                        decay=self.config.estimate_decay)
+        if source not in self.estimates:  # source 0: the draft model's; others: lookups'
+            prior = self.config.draft_prior if source == 0 else 0.5
+            self.estimates[source] = AcceptanceEstimate(prior, self.config.prior_weight,
+                                                        self.config.estimate_decay)
         return self.estimates[source]
 
 
