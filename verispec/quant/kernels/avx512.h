@@ -163,7 +163,8 @@ struct Avx512Kernel {
 // outputs. Per block and activation row: 8 VPDPBUSD (two integer accumulators), 1 add, 1
 // conversion, 1 multiply, 1 or 2 FMAs; the codes are decoded once for all rows of the tile.
 struct PanelKernel {
-  // out[t * ldy + 0 .. 15] for activation rows r0 + t, t < rows <= MAX_TILE.
+  // out[t * ldy + 0 .. 15] for activation rows r0 + t, t < rows <= PANEL_TILE (module.cpp; any
+  // count up to MAX_TILE works, those past PANEL_TILE with their sums in memory).
   template <int T>
   static void rows(const uint8_t* panel, int64_t K, const Activations& x, const PanelSums& sums,
                    int64_t r0, int64_t rows, float* out, int64_t ldy) {

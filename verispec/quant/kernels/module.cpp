@@ -134,8 +134,8 @@ torch::Tensor matmul_panels(const torch::Tensor& x, const torch::Tensor& panels,
   const uint8_t* w = panels.data_ptr<uint8_t>();
   at::parallel_for(0, panels.size(0), 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; p++)
-      for (int64_t r0 = 0; r0 < R; r0 += MAX_TILE)
-        kernel(w + p * bytes, K, acts, sums, r0, std::min<int64_t>(MAX_TILE, R - r0),
+      for (int64_t r0 = 0; r0 < R; r0 += PANEL_TILE)
+        kernel(w + p * bytes, K, acts, sums, r0, std::min<int64_t>(PANEL_TILE, R - r0),
                out + r0 * N + PANEL * p, N);
   });
   return y;

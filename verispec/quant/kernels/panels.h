@@ -43,6 +43,9 @@
 namespace vq {
 
 constexpr int64_t PANEL = 16;  // weight rows in a panel
+// Activation rows a panel kernel takes at once: each count up to 8 is compiled on its own, its
+// sums in registers; a prompt's rows go 8 at a time over a panel that stays in L1.
+constexpr int64_t PANEL_TILE = 8;
 
 inline bool has_panels(int type) {
   return type == Q4_K || type == Q6_K || type == Q5_0 || type == Q8_0;
