@@ -112,7 +112,9 @@ def block_verify(
     P(tau >= i) telescopes to p_i and the residual is p without x_{tau+1}: the very law of
     token-wise verification (the same tokens in distribution, other draws). num_draft: row b's
     tokens past num_draft[b] are padding (any values); its bonus distribution is then
-    target_probs[b, num_draft[b]]. K = 0, as rejection_sample, is plain sampling.
+    target_probs[b, num_draft[b]]. K = 0, as rejection_sample, is plain sampling; K = 1 is
+    token-wise verification (h_1 = p_1 = min(1, p(x_1) / q(x_1)), the same residual), and
+    runs rejection_sample's cheaper code with the same uniforms.
 
     Random draws: torch.rand((B, K)) for the coins, then one float64 uniform [B, 1] for the next
     token, from `generator`: a row verified alone draws what it draws in `verify_rows`.
@@ -135,6 +137,9 @@ def block_verify(
 def _block(draft_tokens, draft_probs, target_probs, num_draft, coins, next_uniform):
     """block_verify on rows of num_draft [B] real tokens, with its uniforms drawn ahead."""
     batch_size, num_positions = draft_tokens.shape
+    if num_positions <= 1:  # one draft token: the token-wise procedure (block_verify's doc)
+        return _token_wise(draft_tokens, draft_probs, target_probs, num_draft, coins,
+                           next_uniform)
     device = draft_tokens.device
     real = _real(num_draft, num_positions)  # [B, K]
     target_at_draft, draft_at_draft = _at_draft(draft_tokens, draft_probs, target_probs, real)
@@ -467,7 +472,9 @@ def verify_rows(
     # 2. Rows grouped by procedure, each group in the padded layout of the one-row functions.
     groups: dict[tuple[str, bool], list[int]] = {}
     for b, row in enumerate(rows):
-        groups.setdefault((row.method, row.draft_has_probs and draft_probs is not None),
+        # a block row of one draft token verifies token-wise, as block_verify does it alone
+        method = "token" if row.method == "block" and lengths[b] <= 1 else row.method
+        groups.setdefault((method, row.draft_has_probs and draft_probs is not None),
                           []).append(b)
     tokens_out = torch.full((batch_size, longest + 1), PAD_TOKEN, dtype=torch.long, device=device)
     accepted_out = torch.zeros(batch_size, dtype=torch.long, device=device)
