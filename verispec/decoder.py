@@ -173,9 +173,8 @@ class SpeculativeDecoder:
         "auto" (default: at its own bit width where the quantised kernels multiply most of it
         as panels (AVX512-VNNI, Q4_K_M files), else dequantised to bfloat16 where the native
         C++ bfloat16 kernels run, its own bit width elsewhere; `loading.weights_for`), None
-        (its own bit width) or "bf16"
-        (transformers dequantises it; the native runtime keeps bfloat16). Runtime "hf" and int8
-        run on dense weights: bf16."""
+        (its own bit width) or "bf16" (transformers dequantises it; the native runtime keeps
+        bfloat16). Runtime "hf" and int8 run on dense weights: bf16."""
         k = parse_k(k)
         check_tree_width(tree_width)
         check_tree_width(sampled_tree_width)

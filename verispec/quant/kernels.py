@@ -211,7 +211,7 @@ def get_rows(weight: torch.Tensor, qtype, ids: torch.Tensor) -> torch.Tensor:
 
 def panel_types() -> frozenset[int]:
     """The GGUF types the active path multiplies as panels of 16 weight rows (kernels/panels.h:
-    Q4_K and Q6_K on the AVX-512 path), empty elsewhere."""
+    Q4_K, Q6_K, Q5_0 and Q8_0 on the AVX-512 path), empty elsewhere."""
     module = _active()[1]
     return frozenset(module.panel_types()) if module is not None else frozenset()
 
@@ -221,9 +221,10 @@ def pack(weight: torch.Tensor, qtype) -> torch.Tensor:
     [N / 16, panel bytes], the layout `matmul_panels` reads."""
     qtype, _, _ = _layout(qtype)
     row_length(weight, qtype)
-    if int(qtype) not in panel_types() or weight.shape[0] % 16:
+    types = panel_types()
+    if int(qtype) not in types or weight.shape[0] % 16:
         raise ValueError(f"{qtype.name} [{weight.shape[0]}, ...] has no panel layout on the "
-                         f"{_active()[0]} path (panel types: {sorted(panel_types())}, rows a "
+                         f"{_active()[0]} path (panel types: {sorted(types)}, rows a "
                          "multiple of 16)")
     return _active()[1].pack(weight.contiguous(), int(qtype))
 

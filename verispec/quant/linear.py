@@ -9,9 +9,9 @@ dequantised rows (the embedding lookup, and the head rows a feature draft reads)
 
 Products run on `verispec.quant.kernels` (C++, int8 activations per block) where it is built,
 else in PyTorch (`verispec.quant.fallback`). Where the kernel path multiplies a type as panels
-(AVX512-VNNI: Q4_K, Q6_K), a layer repacks its weight once when it is built (a copy in memory
-the size of the file's tensor) and multiplies 16 outputs at a time. All are batch-invariant: a
-row's result does not depend on how many rows share the call.
+(AVX512-VNNI: Q4_K, Q6_K, Q5_0, Q8_0), a layer repacks its weight once when it is built (a copy
+in memory the size of the file's tensor) and multiplies 16 outputs at a time. All are
+batch-invariant: a row's result does not depend on how many rows share the call.
 """
 
 from __future__ import annotations
@@ -151,10 +151,10 @@ def _panels(weight: QuantMatrix) -> torch.Tensor | None:
 class ConcatLinear:
     """Several QuantLinear layers over the same input, outputs side by side: the runtime's fused
     q/k/v and gate/up projections without copying the file's tensors into one. Where every part
-    is in panels of one type and keeps its rows' order, the panels are joined (they are copies
-    already) and one product gives all outputs: a kernel call and a concatenation fewer per
-    layer, which a small model's step feels. A panel's outputs do not depend on the other
-    panels of the call, so the outputs are the same bits either way."""
+    is in panels of one type, keeps its rows' order and has a bias or none does, the panels are
+    joined (they are copies already; each part keeps a view) and one product gives all outputs:
+    a kernel call and a concatenation fewer per layer, which a small model's step feels. A
+    panel's outputs do not depend on the other panels of the call: the same bits either way."""
 
     tiles = None
     scales = None
@@ -166,20 +166,21 @@ class ConcatLinear:
         self.parts = parts
         self.in_features = parts[0].in_features
         self.out_features = sum(part.out_features for part in parts)
-        self.panels, self.qtype, self.bias = None, None, None
+        self.panels, self.bias = None, None
+        biased = {part.bias is not None for part in parts}
         if all(part.panels is not None and part.order is None for part in parts) and \
-                len({part.weight.qtype for part in parts}) == 1:
+                len({part.weight.qtype for part in parts}) == 1 and len(biased) == 1:
             self.panels = torch.cat([part.panels for part in parts])  # [sum N / 16, bytes]
-            self.qtype = parts[0].weight.qtype
-            for part in parts:
-                part.panels = None  # the joined copy serves; the parts would fall back to the file
-            if any(part.bias is not None for part in parts):
-                self.bias = torch.cat([part.bias if part.bias is not None
-                                       else torch.zeros(part.out_features) for part in parts])
+            start = 0
+            for part in parts:  # each part keeps its rows, now a view of the joined copy
+                part.panels = self.panels[start: start + len(part.panels)]
+                start += len(part.panels)
+            if biased == {True}:
+                self.bias = torch.cat([part.bias for part in parts])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is None:
             return torch.cat([part(x) for part in self.parts], dim=1)  # [R, sum N]
-        y = kernels().matmul_panels(x.float().contiguous(), self.panels, self.qtype,
-                                    self.in_features)  # [R, sum N]
+        y = kernels().matmul_panels(x.float().contiguous(), self.panels,
+                                    self.parts[0].weight.qtype, self.in_features)  # [R, sum N]
         return y if self.bias is None else y + self.bias

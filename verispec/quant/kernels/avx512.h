@@ -273,30 +273,21 @@ struct PanelKernel {
           std::memcpy(&v, q + 4 * c, 4);
           return _mm512_set1_epi32(v);
         };
+        // chunks first .. first + 3 (one half of the block) from `start`; two such chains
+        // halve the run of dependent VPDPBUSDs, and integer sums are exact in any grouping
+        auto half = [&](int32_t start, int first) {
+          __m512i sum = _mm512_set1_epi32(start);
+          for (int c = first; c < first + 4; c++)
+            sum = _mm512_dpbusd_epi32(sum, k.chunk[c], at(c));
+          return sum;
+        };
         const int32_t* b16 = sums.b16 + r * (x.padded / 16) + 2 * b;
         __m512i integer;
-        if constexpr (T == Q6_K) {  // the halves apart: each has its sub-scale
-          __m512i lo = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[0]), k.chunk[0], at(0));
-          __m512i hi = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * b16[1]), k.chunk[4], at(4));
-          lo = _mm512_dpbusd_epi32(lo, k.chunk[1], at(1));
-          hi = _mm512_dpbusd_epi32(hi, k.chunk[5], at(5));
-          lo = _mm512_dpbusd_epi32(lo, k.chunk[2], at(2));
-          hi = _mm512_dpbusd_epi32(hi, k.chunk[6], at(6));
-          lo = _mm512_dpbusd_epi32(lo, k.chunk[3], at(3));
-          hi = _mm512_dpbusd_epi32(hi, k.chunk[7], at(7));
-          integer = _mm512_add_epi32(_mm512_mullo_epi32(lo, k.sub_lo),
-                                     _mm512_mullo_epi32(hi, k.sub_hi));
-        } else {  // two accumulators, to halve the chain of dependent VPDPBUSDs
-          const int32_t start = -kPanelOffset<T> * (b16[0] + b16[1]);
-          __m512i even = _mm512_dpbusd_epi32(_mm512_set1_epi32(start), k.chunk[0], at(0));
-          __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.chunk[1], at(1));
-          even = _mm512_dpbusd_epi32(even, k.chunk[2], at(2));
-          odd = _mm512_dpbusd_epi32(odd, k.chunk[3], at(3));
-          even = _mm512_dpbusd_epi32(even, k.chunk[4], at(4));
-          odd = _mm512_dpbusd_epi32(odd, k.chunk[5], at(5));
-          even = _mm512_dpbusd_epi32(even, k.chunk[6], at(6));
-          odd = _mm512_dpbusd_epi32(odd, k.chunk[7], at(7));
-          integer = _mm512_add_epi32(even, odd);
+        if constexpr (T == Q6_K) {  // each half has its sub-scale
+          integer = _mm512_add_epi32(_mm512_mullo_epi32(half(-32 * b16[0], 0), k.sub_lo),
+                                     _mm512_mullo_epi32(half(-32 * b16[1], 4), k.sub_hi));
+        } else {
+          integer = _mm512_add_epi32(half(-kPanelOffset<T> * (b16[0] + b16[1]), 0), half(0, 4));
         }
         const __m512 factor = _mm512_mul_ps(k.scale, _mm512_set1_ps(x.row_scales(r)[b]));
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(integer), factor, acc[t]);

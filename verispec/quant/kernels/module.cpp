@@ -67,7 +67,10 @@ struct Quantised {
   PanelSums panel_sums_view() const { return {s32.data_ptr<float>(), b16.data_ptr<int32_t>()}; }
 };
 
+// x [R, K] float32, checked.
 inline Quantised quantise_for_panels(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+              x.size(1) == K, "x must be a contiguous float32 [R, K] tensor");
   const int64_t R = x.size(0), padded = padded_length(K);
   Quantised q{torch::empty({R, padded}, torch::kInt8), torch::empty({R, padded / QK}, torch::kFloat32),
               torch::empty({R, padded / 16}, torch::kFloat32),
@@ -123,10 +126,8 @@ torch::Tensor matmul_panels(const torch::Tensor& x, const torch::Tensor& panels,
               panels.scalar_type() == torch::kUInt8 && panels.is_contiguous() &&
               panels.size(1) == panel_bytes(int(type), K),
               "panels must be a contiguous uint8 [N / 16, panel bytes] tensor");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
-              x.size(1) == K, "x must be a contiguous float32 [R, K] tensor");
-  const int64_t R = x.size(0), N = panels.size(0) * PANEL, bytes = panels.size(1);
   const Quantised q = quantise_for_panels(x, K);
+  const int64_t R = x.size(0), N = panels.size(0) * PANEL, bytes = panels.size(1);
   const Activations acts = q.view();
   const PanelSums sums = q.panel_sums_view();
   auto y = torch::empty({R, N}, torch::kFloat32);
@@ -146,10 +147,8 @@ torch::Tensor matmul_panels_reference(const torch::Tensor& x, const torch::Tenso
                                       int64_t type) {
   const int64_t K = row_length(weight, type);
   TORCH_CHECK(has_panels(int(type)), "GGUF type ", type, " has no panel layout");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
-              x.size(1) == K, "x must be a contiguous float32 [R, K] tensor");
-  const int64_t R = x.size(0), N = weight.size(0), row_bytes = weight.size(1);
   const Quantised q = quantise_for_panels(x, K);
+  const int64_t R = x.size(0), N = weight.size(0), row_bytes = weight.size(1);
   const Activations acts = q.view();
   const PanelSums sums = q.panel_sums_view();
   auto y = torch::empty({R, N}, torch::kFloat32);
