@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verispec import verify_native
 from verispec.sampling import greedy_tokens, invariant_draw, inverse_cdf, sample, wrap_int64
 
 PAD_TOKEN = -1  # fills `tokens` after the last emitted token of a row
@@ -59,11 +60,40 @@ def rejection_sample(
     """
     batch_size, num_draft = draft_tokens.shape
     coins, next_uniform = _uniforms(batch_size, num_draft, generator, target_probs.device)
-    tokens, num_accepted, ok = _token_wise(draft_tokens, draft_probs, target_probs,
-                                           _lengths(batch_size, num_draft, None, draft_tokens),
-                                           coins, next_uniform)
+    tokens, num_accepted, ok = _chains(
+        "token", draft_tokens, _lengths(batch_size, num_draft, None, draft_tokens), coins,
+        next_uniform, *_flat(draft_probs, target_probs))
     _check_mass(ok)
     return tokens, num_accepted
+
+
+def _chains(method, draft_tokens, num_draft, coins, next_uniform, target, target_at, draft,
+            draft_at):
+    """Token-wise ("token") or block ("block") verification of G padded rows, num_draft [G]
+    real tokens each, uniforms drawn ahead (coins [G, K], next_uniform [G, 1]), whose
+    distributions are rows of `target` [R, V] (row g's p(. | x_<=i) at target_at [G, K+1]) and
+    of `draft` [R', V] (at draft_at [G, K]; None: a deterministic draft). Returns (tokens
+    [G, K+1], num_accepted [G], ok [G]). The C++ code (verify_native) where it runs: float32 on
+    the CPU; else the PyTorch reference below on gathered rows: the same decisions."""
+    if verify_native.runs(target, draft):
+        return verify_native.verify_chains(method, draft_tokens, num_draft, coins, next_uniform,
+                                           target, target_at, draft, draft_at)
+    reference = _block if method == "block" else _token_wise
+    return reference(draft_tokens, None if draft is None else draft[draft_at],
+                     target[target_at], num_draft, coins, next_uniform)
+
+
+def _flat(draft_probs, target_probs):
+    """[B, K, V] and [B, K+1, V] as rows and row indices (target, target_at, draft, draft_at),
+    as _chains reads them."""
+    batch_size, positions, vocab = target_probs.shape
+    target_at = torch.arange(batch_size * positions, device=target_probs.device)
+    target_at = target_at.view(batch_size, positions)
+    if draft_probs is None:
+        return target_probs.reshape(-1, vocab), target_at, None, None
+    return (target_probs.reshape(-1, vocab), target_at, draft_probs.reshape(-1, vocab),
+            target_at[:, : positions - 1] - torch.arange(batch_size, device=target_at.device
+                                                         )[:, None])
 
 
 def _token_wise(draft_tokens, draft_probs, target_probs, num_draft, coins, next_uniform):
@@ -127,9 +157,9 @@ def block_verify(
     """
     batch_size, num_positions = draft_tokens.shape
     coins, next_uniform = _uniforms(batch_size, num_positions, generator, target_probs.device)
-    tokens, num_accepted, ok = _block(
-        draft_tokens, draft_probs, target_probs,
-        _lengths(batch_size, num_positions, num_draft, draft_tokens), coins, next_uniform)
+    tokens, num_accepted, ok = _chains(
+        "block", draft_tokens, _lengths(batch_size, num_positions, num_draft, draft_tokens),
+        coins, next_uniform, *_flat(draft_probs, target_probs))
     _check_mass(ok)
     return tokens, num_accepted
 
@@ -482,6 +512,18 @@ def verify_rows(
     for (method, has_probs), members in groups.items():
         group_k = max(lengths[b] for b in members)
         num_draft = torch.tensor([lengths[b] for b in members], device=device)
+        if method in ("token", "block"):  # read in place: no gathered copies of the rows
+            draft_at, target_at = _positions(offsets, lengths, members, group_k, device)
+            coins = torch.cat([torch.cat([uniforms[b][0], uniforms[b][0].new_zeros(
+                1, group_k - lengths[b])], dim=1) for b in members])  # [G, K_g]
+            next_uniform = torch.cat([uniforms[b][1] for b in members])  # [G, 1]
+            out, accepted, ok = _chains(method, draft_tokens[draft_at], num_draft, coins,
+                                        next_uniform, target_probs, target_at,
+                                        draft_probs if has_probs else None, draft_at)
+            at = torch.tensor(members, device=device)
+            tokens_out[at, : group_k + 1] = out
+            accepted_out[at], ok_out[at] = accepted, ok
+            continue
         tokens, probs, targets = _padded(draft_tokens, draft_probs if has_probs else None,
                                          target_probs, offsets, lengths, members, group_k)
         if method == "greedy":
@@ -493,12 +535,6 @@ def verify_rows(
             out, accepted = _follow(tokens, choice, num_draft)
             beyond = torch.arange(group_k + 1, device=device) > num_draft[:, None]
             ok = (ok_at | beyond).all(dim=-1)
-        else:
-            coins = torch.cat([torch.cat([uniforms[b][0], uniforms[b][0].new_zeros(
-                1, group_k - lengths[b])], dim=1) for b in members])  # [G, K_g]
-            next_uniform = torch.cat([uniforms[b][1] for b in members])  # [G, 1]
-            verify = _block if method == "block" else _token_wise
-            out, accepted, ok = verify(tokens, probs, targets, num_draft, coins, next_uniform)
         at = torch.tensor(members, device=device)
         tokens_out[at, : group_k + 1] = out
         accepted_out[at], ok_out[at] = accepted, ok
@@ -538,15 +574,22 @@ def _padded(draft_tokens, draft_probs, target_probs, offsets, lengths, members, 
         tokens = draft_tokens.reshape(batch_size, group_k)
         probs = None if draft_probs is None else draft_probs.reshape(batch_size, group_k, vocab)
         return tokens, probs, target_probs.reshape(batch_size, group_k + 1, vocab)
-    last = max(int(draft_tokens.shape[0]) - 1, 0)
+    draft_at, target_at = _positions(offsets, lengths, members, group_k, target_probs.device)
+    probs = None if draft_probs is None else draft_probs[draft_at]
+    return draft_tokens[draft_at], probs, target_probs[target_at]
+
+
+def _positions(offsets, lengths, members, group_k, device):
+    """A group's rows of the ragged layout: draft_at [G, K_g] (indices into draft_tokens and
+    draft_probs) and target_at [G, K_g + 1] (into target_probs); slots past a row's length
+    repeat its last draft row and its bonus row (they are masked)."""
+    last = max(offsets[-1] - 1, 0)
     draft_at = torch.tensor([[min(offsets[b] + min(i, max(lengths[b] - 1, 0)), last)
                               for i in range(group_k)] for b in members],
                             dtype=torch.long).reshape(len(members), group_k)
     target_at = torch.tensor([[offsets[b] + b + min(i, lengths[b]) for i in range(group_k + 1)]
                               for b in members], dtype=torch.long)
-    draft_at, target_at = draft_at.to(draft_tokens.device), target_at.to(target_probs.device)
-    probs = None if draft_probs is None else draft_probs[draft_at]
-    return draft_tokens[draft_at], probs, target_probs[target_at]
+    return draft_at.to(device), target_at.to(device)
 
 
 # --- Shared steps ---------------------------------------------------------------------------
@@ -593,7 +636,7 @@ def _at_draft(draft_tokens, draft_probs, target_probs, real):
 
 def _next_distribution(draft_tokens, draft_probs, target_probs, num_draft, real, num_accepted,
                        scale):
-    """[B, V]: residual(scale * p, q) at a stop before the row's last token (scale: block
+    """[B, V]: max(0, scale * p - q) at a stop before the row's last token (scale: block
     verification's p_tau [B]; None: 1), p itself after it (the bonus)."""
     batch_size, num_positions = draft_tokens.shape
     rows = torch.arange(batch_size, device=target_probs.device)
@@ -608,7 +651,11 @@ def _next_distribution(draft_tokens, draft_probs, target_probs, num_draft, real,
         next_draft = draft_probs[rows, at]
     scaled = next_target if scale is None else scale.to(next_target.dtype)[:, None] * next_target
     rejected = (num_accepted < num_draft).unsqueeze(-1)  # [B, 1]
-    return torch.where(rejected, residual(scaled, next_draft), next_target)
+    # drawn from unnormalised (inverse_cdf scales the uniform by the row's sum); the residual
+    # falls back to p where rounding leaves it no mass, as `residual` does
+    excess = (scaled - next_draft).clamp_(min=0.0)
+    excess = torch.where(excess.sum(dim=-1, keepdim=True) > 0, excess, scaled)
+    return torch.where(rejected, excess, next_target)
 
 
 def _finish(draft_tokens, num_accepted, next_dist, next_uniform):
