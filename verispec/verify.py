@@ -22,6 +22,9 @@ a batch: `verify_rows` is the ragged batch form of all of them):
               plain `invariant_sample` for that seed, whatever the drafter, K, tree or batch.
 The first two are exact in distribution, for any q; the third token for token, for a seed.
 Greedy decoding (`greedy_verify`) accepts while the draft equals the target's argmax.
+On the CPU, token-wise and block verification of float32 chains run in C++ (`verify_native`,
+the same decisions from the same uniforms); the PyTorch code here is their reference and runs
+everywhere else.
 """
 
 from __future__ import annotations
