@@ -112,9 +112,11 @@ double total_mass(const Excess& excess, int64_t vocab, std::vector<double>& sums
 }
 
 // The first token whose cumulative mass exceeds uniform * total (uniform in [0, 1)), or -1
-// when the row has no positive mass (zeros, NaN).
-int64_t pick(const Excess& excess, int64_t vocab, double uniform, std::vector<double>& sums) {
-  const double total = total_mass(excess, vocab, sums);
+// when the row has no positive mass (zeros, NaN); `sums` holds the excess's chunk sums.
+int64_t pick_summed(const Excess& excess, int64_t vocab, double uniform,
+                    const std::vector<double>& sums) {
+  double total = 0.0;  // as total_mass summed it
+  for (const double sum : sums) total += sum;
   if (!(total > 0.0)) return -1;
   // below total even where rounding would make uniform * total reach it (sampling._pick)
   const double goal = std::min(uniform * total, std::nextafter(total, 0.0));
@@ -137,6 +139,11 @@ int64_t pick(const Excess& excess, int64_t vocab, double uniform, std::vector<do
     before += sums[c];
   }
   return -1;  // unreachable: before reaches total > goal at the last chunk
+}
+
+int64_t pick(const Excess& excess, int64_t vocab, double uniform, std::vector<double>& sums) {
+  total_mass(excess, vocab, sums);
+  return pick_summed(excess, vocab, uniform, sums);
 }
 
 // One row's view of the batch: its draft tokens, coins and the rows of its distributions.
@@ -162,10 +169,13 @@ struct Row {
 
 // The next token after `accepted` tokens: from the residual max(0, scale p - q) at a stop
 // before the row's last token (the plain target if that has no mass), from p after it.
+// summed: `sums` already holds that residual's chunk sums (block verification's Z_tau).
 int64_t next_token(const Row& row, int64_t accepted, float scale, double uniform,
-                   std::vector<double>& sums) {
+                   std::vector<double>& sums, bool summed) {
   if (accepted == row.num_draft) return pick(row.bonus(), row.vocab, uniform, sums);
-  const int64_t token = pick(row.excess(accepted, scale), row.vocab, uniform, sums);
+  const Excess excess = row.excess(accepted, scale);
+  const int64_t token = summed ? pick_summed(excess, row.vocab, uniform, sums)
+                               : pick(excess, row.vocab, uniform, sums);
   return token >= 0 ? token : pick(Excess{row.p(accepted), nullptr, scale, -1}, row.vocab,
                                    uniform, sums);
 }
@@ -180,8 +190,11 @@ int64_t token_wise(const Row& row) {
   return accepted;
 }
 
-// Block verification: tau and p_tau, with weight[i] = p_i = min(1, p_{i-1} p(x_i) / q(x_i)).
-int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& sums) {
+// Block verification: tau, with weight[i] = p_i = min(1, p_{i-1} p(x_i) / q(x_i)); summed is
+// set where `sums` holds Z_tau's chunk sums, the residual the next token is drawn from.
+int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& sums,
+              bool& summed) {
+  summed = false;
   const int64_t k = row.num_draft;
   // 1. p_0 .. p_K (verify._carried).
   weight.assign(k + 1, 1.0);
@@ -200,7 +213,10 @@ int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& 
           : weight[i] * (1.0 - static_cast<double>(row.p_at_draft(i)));
       chance = mass > 0.0 ? mass / std::max(mass + 1.0 - weight[i], 1e-300) : 0.0;
     }
-    if (static_cast<double>(row.coins[i - 1]) < chance) return i;
+    if (static_cast<double>(row.coins[i - 1]) < chance) {
+      summed = i < k && row.draft != nullptr;
+      return i;
+    }
   }
   return 0;
 }
@@ -230,9 +246,10 @@ int64_t verify_chains(int64_t method, int64_t rows, int64_t width, int64_t vocab
       if (row.tokens[i] < 0 || row.tokens[i] >= vocab) return 1 + b;
     }
     const bool by_block = method == 1 && width > 1;
-    const int64_t accepted = by_block ? block(row, weight, sums) : token_wise(row);
+    bool summed = false;
+    const int64_t accepted = by_block ? block(row, weight, sums, summed) : token_wise(row);
     const float scale = by_block ? static_cast<float>(weight[accepted]) : 1.0f;
-    const int64_t next = next_token(row, accepted, scale, next_uniform[b], sums);
+    const int64_t next = next_token(row, accepted, scale, next_uniform[b], sums, summed);
     int64_t* out = out_tokens + b * (width + 1);
     std::copy(row.tokens, row.tokens + accepted, out);
     out[accepted] = std::max<int64_t>(next, 0);
