@@ -6,6 +6,8 @@
 //   - block verification computes h_i lazily, from the last position down, and stops at the
 //     first coin that comes up: tau is the last position whose coin came up, so the coins
 //     below it do not matter and their Z_i (a pass over the vocabulary each) are never needed;
+//     a Z_i is skipped too where a bound decides the coin (`block`), and Z_tau's chunk sums
+//     serve the draw of the next token;
 //   - the next token is drawn from the unnormalised residual by a two-level inverse CDF: a
 //     float64 sum per chunk of CHUNK tokens (LANES partial sums combined in a fixed tree, the
 //     same bits on every instruction set), then a scan inside the one chunk that holds the
@@ -146,6 +148,14 @@ int64_t pick(const Excess& excess, int64_t vocab, double uniform, std::vector<do
   return pick_summed(excess, vocab, uniform, sums);
 }
 
+// Whether any token has positive excess mass (the sum is then positive).
+bool any_positive(const Excess& excess, int64_t vocab) {
+  for (int64_t x = 0; x < vocab; ++x) {
+    if (excess(x) > 0.0f) return true;
+  }
+  return false;
+}
+
 // One row's view of the batch: its draft tokens, coins and the rows of its distributions.
 struct Row {
   int64_t vocab, num_draft;
@@ -204,17 +214,31 @@ int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& 
     const double kept = carried >= draft ? 1.0 : carried / std::max(draft, 1e-300);
     weight[i] = carried > 0.0 ? kept : 0.0;
   }
-  // 2. The coins from the last position down: h_K = p_K, h_i = Z_i / (Z_i + 1 - p_i).
+  // 2. The coins from the last position down: h_K = p_K, h_i = Z_i / (Z_i + 1 - p_i). Z_i,
+  //    a pass over the vocabulary, is computed only where the coin is not decided without
+  //    it: Z_i <= p_i sum_x p(x) = p_i, so h_i <= p_i and a coin at or above p_i stays down
+  //    (with a margin of 1e-4 for a float32 target row summing to a little over 1, so that
+  //    the decisions stay the reference's); at p_i = 1, h_i is 1 wherever any token has
+  //    excess mass, and the first such token settles it.
   for (int64_t i = k; i >= 1; --i) {
+    const double coin = static_cast<double>(row.coins[i - 1]);
     double chance = weight[k];
-    if (i < k) {
-      const double mass = row.draft
-          ? total_mass(row.excess(i, static_cast<float>(weight[i])), row.vocab, sums)
-          : weight[i] * (1.0 - static_cast<double>(row.p_at_draft(i)));
+    bool full = false;
+    if (i < k && row.draft == nullptr) {
+      const double mass = weight[i] * (1.0 - static_cast<double>(row.p_at_draft(i)));
       chance = mass > 0.0 ? mass / std::max(mass + 1.0 - weight[i], 1e-300) : 0.0;
+    } else if (i < k && weight[i] == 1.0) {
+      chance = any_positive(row.excess(i, 1.0f), row.vocab) ? 1.0 : 0.0;
+    } else if (i < k && coin >= weight[i] * (1.0 + 1e-4)) {
+      continue;
+    } else if (i < k) {
+      const double mass = total_mass(row.excess(i, static_cast<float>(weight[i])), row.vocab,
+                                     sums);
+      chance = mass > 0.0 ? mass / std::max(mass + 1.0 - weight[i], 1e-300) : 0.0;
+      full = true;
     }
-    if (static_cast<double>(row.coins[i - 1]) < chance) {
-      summed = i < k && row.draft != nullptr;
+    if (coin < chance) {
+      summed = full;
       return i;
     }
   }
