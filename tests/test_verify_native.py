@@ -136,9 +136,8 @@ def test_verify_rows_reads_ragged_rows_in_place_as_the_reference_gathers_them(mo
         reference = run()
         monkeypatch.undo()
         assert native == reference
-        offsets_shift = torch.randint(0, vocab, (offsets[-1],), generator=generator)
-        tokens = torch.where(torch.rand(offsets[-1], generator=generator) < 0.3, offsets_shift,
-                             tokens)
+        other = torch.randint(0, vocab, (offsets[-1],), generator=generator)
+        tokens = torch.where(torch.rand(offsets[-1], generator=generator) < 0.3, other, tokens)
 
 
 # --- The output law, by Monte Carlo, through the C++ path -----------------------------------

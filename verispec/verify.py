@@ -90,13 +90,13 @@ def _flat(draft_probs, target_probs):
     """[B, K, V] and [B, K+1, V] as rows and row indices (target, target_at, draft, draft_at),
     as _chains reads them."""
     batch_size, positions, vocab = target_probs.shape
-    target_at = torch.arange(batch_size * positions, device=target_probs.device)
-    target_at = target_at.view(batch_size, positions)
+    device = target_probs.device
+    target_at = torch.arange(batch_size * positions, device=device).view(batch_size, positions)
     if draft_probs is None:
         return target_probs.reshape(-1, vocab), target_at, None, None
+    draft_at = torch.arange(batch_size * (positions - 1), device=device)
     return (target_probs.reshape(-1, vocab), target_at, draft_probs.reshape(-1, vocab),
-            target_at[:, : positions - 1] - torch.arange(batch_size, device=target_at.device
-                                                         )[:, None])
+            draft_at.view(batch_size, positions - 1))
 
 
 def _token_wise(draft_tokens, draft_probs, target_probs, num_draft, coins, next_uniform):

@@ -200,6 +200,11 @@ int64_t token_wise(const Row& row) {
   return accepted;
 }
 
+// h_i = Z_i / (Z_i + 1 - p_i), 0 where Z_i = 0 (verify._block).
+double stop_chance(double mass, double weight) {
+  return mass > 0.0 ? mass / std::max(mass + 1.0 - weight, 1e-300) : 0.0;
+}
+
 // Block verification: tau, with weight[i] = p_i = min(1, p_{i-1} p(x_i) / q(x_i)); summed is
 // set where `sums` holds Z_tau's chunk sums, the residual the next token is drawn from.
 int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& sums,
@@ -223,19 +228,20 @@ int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& 
   for (int64_t i = k; i >= 1; --i) {
     const double coin = static_cast<double>(row.coins[i - 1]);
     double chance = weight[k];
-    bool full = false;
-    if (i < k && row.draft == nullptr) {
-      const double mass = weight[i] * (1.0 - static_cast<double>(row.p_at_draft(i)));
-      chance = mass > 0.0 ? mass / std::max(mass + 1.0 - weight[i], 1e-300) : 0.0;
-    } else if (i < k && weight[i] == 1.0) {
-      chance = any_positive(row.excess(i, 1.0f), row.vocab) ? 1.0 : 0.0;
-    } else if (i < k && coin >= weight[i] * (1.0 + 1e-4)) {
-      continue;
-    } else if (i < k) {
-      const double mass = total_mass(row.excess(i, static_cast<float>(weight[i])), row.vocab,
-                                     sums);
-      chance = mass > 0.0 ? mass / std::max(mass + 1.0 - weight[i], 1e-300) : 0.0;
-      full = true;
+    bool full = false;  // Z_i's chunk sums are in `sums`
+    if (i < k) {
+      if (row.draft == nullptr) {
+        chance = stop_chance(weight[i] * (1.0 - static_cast<double>(row.p_at_draft(i))),
+                             weight[i]);
+      } else if (weight[i] == 1.0) {
+        chance = any_positive(row.excess(i, 1.0f), row.vocab) ? 1.0 : 0.0;
+      } else if (coin >= weight[i] * (1.0 + 1e-4)) {
+        continue;
+      } else {
+        const Excess excess = row.excess(i, static_cast<float>(weight[i]));
+        chance = stop_chance(total_mass(excess, row.vocab, sums), weight[i]);
+        full = true;
+      }
     }
     if (coin < chance) {
       summed = full;
