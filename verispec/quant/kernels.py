@@ -126,6 +126,12 @@ def _active() -> tuple[str, ModuleType | None]:
     return "off", None
 
 
+def compiled() -> ModuleType | None:
+    """The active path's compiled module (its `forward_layers` runs a whole decoder pass,
+    kernels/forward.h), or None where the kernels are off or could not be built."""
+    return _active()[1]
+
+
 def _layout(qtype) -> tuple[GGMLQuantizationType, int, int]:
     try:
         qtype = GGMLQuantizationType(int(qtype))

@@ -119,7 +119,12 @@ class QuantLinear:
         if self.bias is not None and self.bias.shape != (self.out_features,):
             raise ValueError(f"{weight.name}: bias {tuple(self.bias.shape)} for "
                              f"{self.out_features} outputs")
-        self.panels = _panels(weight)  # [N / 16, ...] uint8, or None: the file's layout
+        # [N / 16, ...] uint8, or None: the file's layout. Panels hold the rows in `order`
+        # (and the bias follows): a panel's outputs do not depend on which rows share it.
+        self.panels = _panels(weight, order)
+        if self.panels is not None and order is not None:
+            self.bias = None if self.bias is None else self.bias[order].contiguous()
+            self.order = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -138,14 +143,16 @@ class QuantLinear:
         return y if self.order is None else y[:, self.order]
 
 
-def _panels(weight: QuantMatrix) -> torch.Tensor | None:
-    """The weight repacked as panels of 16 rows where this CPU's kernel path multiplies its type
-    that way (verispec/quant/kernels/panels.h), else None."""
+def _panels(weight: QuantMatrix, order: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The weight's rows (in `order`, where given) repacked as panels of 16 rows where this
+    CPU's kernel path multiplies its type that way (verispec/quant/kernels/panels.h), else
+    None."""
     module = kernels()
     if (module is None or not weight.quantized or weight.shape[0] % 16
             or int(weight.qtype) not in module.panel_types()):
         return None
-    return module.pack(weight.data, weight.qtype)
+    rows = weight.data if order is None else weight.data[order].contiguous()
+    return module.pack(rows, weight.qtype)
 
 
 class ConcatLinear:

@@ -5,6 +5,7 @@
 
 #include "activations.h"
 #include "dequantize.h"
+#include "forward.h"
 #include "rows.h"
 
 #include <ATen/Parallel.h>
@@ -206,4 +207,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       if (vq::panels_for(t) != nullptr) types.push_back(t);
     return types;
   }, "the types this path multiplies as panels");
+  // The whole decoder pass (forward.h), its typed arguments made by keyword from Python
+  // (runtime/native/gguf_model.py); module-local, as every path's module binds the same types
+  // and tests load several in one process.
+  py::class_<vq::Shape>(m, "Shape", py::module_local())
+      .def(py::init([](int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t intermediate, double eps) {
+             return vq::Shape{hidden, heads, kv_heads, head_dim, intermediate, float(eps)};
+           }),
+           py::kw_only(), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"));
+  py::class_<vq::Part>(m, "Part", py::module_local())
+      .def(py::init<torch::Tensor, int64_t, bool, int64_t, int64_t, torch::Tensor>(),
+           py::kw_only(), py::arg("data"), py::arg("type"), py::arg("panels"),
+           py::arg("out_features"), py::arg("in_features"), py::arg("bias"));
+  py::class_<vq::LayerWeights>(m, "LayerWeights", py::module_local())
+      .def(py::init<torch::Tensor, torch::Tensor, vq::Projection, vq::Projection,
+                    vq::Projection, vq::Projection>(),
+           py::kw_only(), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("qkv"),
+           py::arg("out"), py::arg("gate_up"), py::arg("down"));
+  py::class_<vq::Decoder>(m, "Decoder", py::module_local())
+      .def(py::init<vq::Shape, std::vector<vq::LayerWeights>, torch::Tensor, torch::Tensor>(),
+           py::kw_only(), py::arg("shape"), py::arg("layers"), py::arg("cos"), py::arg("sin"))
+      .def_property_readonly("num_layers",
+                             [](const vq::Decoder& decoder) { return decoder.layers.size(); });
+  py::class_<vq::PassRows>(m, "PassRows", py::module_local())
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<int64_t>>(),
+           py::kw_only(), py::arg("keys"), py::arg("values"), py::arg("starts"),
+           py::arg("lengths"), py::arg("tree_bases"), py::arg("path_slots"),
+           py::arg("path_offsets"));
+  m.def("forward_layers", &vq::forward_layers, py::arg("x"), py::arg("decoder"),
+        py::arg("rows"), py::arg("taps"), py::arg("tap_layers"),
+        "every decoder layer of one pass (forward.h)");
 }

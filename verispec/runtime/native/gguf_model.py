@@ -1,10 +1,11 @@
 """The native runtime over a quantized GGUF file: a NativeLlama whose linear layers compute from
 the file's blocks (`verispec.quant.linear`), float32 activations, norms and caches.
 
-The layers run in NativeLlama's PyTorch loop (the fused C++ decoder takes AMX tiles only). A
-float32 pass attends query by query over each query's own keys (NativeLlama probes this), and
-quantized products are row-independent, so a position's logits are the same bits in any pass:
-speculative greedy output equals plain greedy.
+Where the quantised kernels are built, every decoder layer of a pass runs in one C++ call
+(verispec/quant/kernels/forward.h); elsewhere in NativeLlama's PyTorch loop, where a float32
+pass attends query by query over each query's own keys. Either way quantized products are
+row-independent, so a position's logits are the same bits in any pass: speculative greedy
+output equals plain greedy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
-from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix, kernels
+from verispec.quant.kernels import compiled
+from verispec.quant import linear as quant_linear
+from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
 from verispec.quant.model import GGUFModel, qk_order
 from verispec.runtime.native.llama import INVARIANT_MAX, LayerWeights, LlamaShape, NativeLlama
 from verispec.runtime.native.runner import NativeRunner
@@ -77,12 +80,46 @@ def native_from_gguf(model: GGUFModel) -> NativeLlama:
 class GGUFLlama(NativeLlama):
     """A NativeLlama on a GGUF file's blocks; describe() names the formats and the products.
 
-    Every pass attends query by query, prompt passes too. The kernels quantise activations to
+    Where the quantised kernels are built (every x86 path, and the portable one), a pass is one
+    C++ call (verispec/quant/kernels/forward.h: norms, rotary, the cache write, attention, the
+    MLP and the products), each position's bits independent of the pass and the thread count.
+
+    Without them the layers run in NativeLlama's PyTorch loop, where every pass attends query
+    by query, prompt passes too. The kernels quantise activations to
     int8, which turns a last-bit difference in a position's attention output (a prompt pass's
     one causal call rounds unlike a lone query) into a different code and a logit 0.5-1 away;
     then a position computed once in a prompt pass and again in a verification pass (a prompt
     reused from the cache) would part greedy speculative output from plain. One call per
     query keeps a position's bits the same in any pass, at a few ms per query in a prompt."""
+
+    def _fused_weights(self):
+        """The weights as the quantised kernels' forward_layers takes them (a `Decoder`,
+        checked once here), where every layer's products run on them; None otherwise."""
+        self.kernels = None
+        module, shape = compiled() if quant_linear.kernels() is not None else None, self.shape
+        if module is None or not self.layers or shape.hidden_size % 16 \
+                or shape.intermediate_size % 16 or shape.head_dim % 16 or shape.head_dim > 512:
+            return None
+        projections = [[*getattr(lin, "parts", [lin])] for layer in self.layers
+                       for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        if any(not part.weight.quantized for parts in projections for part in parts):
+            return None  # a plain-float matrix among the layers: the PyTorch loop
+
+        def projection(linear) -> list:
+            return [_part(module, part) for part in getattr(linear, "parts", [linear])]
+
+        self.kernels = module
+        return module.Decoder(
+            shape=module.Shape(hidden=shape.hidden_size, heads=shape.num_heads,
+                               kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                               intermediate=shape.intermediate_size, eps=shape.rms_norm_eps),
+            layers=[module.LayerWeights(attn_norm=layer.attn_norm.float().contiguous(),
+                                        mlp_norm=layer.mlp_norm.float().contiguous(),
+                                        qkv=projection(layer.qkv), out=projection(layer.out),
+                                        gate_up=projection(layer.gate_up),
+                                        down=projection(layer.down))
+                    for layer in self.layers],
+            cos=self.cos.float().contiguous(), sin=self.sin.float().contiguous())
 
     def _attend(self, q: torch.Tensor, cache, index: int, start: int, end: int,
                 plan) -> torch.Tensor:
@@ -104,7 +141,23 @@ class GGUFLlama(NativeLlama):
                                    for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)
                                    for part in getattr(lin, "parts", [lin]))]
         types = sorted({lin.weight.qtype.name for lin in linears})
-        module = kernels()
+        module = quant_linear.kernels()
         products = f"{module.path} kernels" if module is not None else "PyTorch products"
+        if self.fused is not None:
+            products += ", one C++ call a pass"
         return f"native float32, GGUF {'/'.join(types)} weights ({products})"
+
+
+def _part(module, linear: QuantLinear):
+    """One QuantLinear as a part of forward_layers' projections: its panels, or the file's rows
+    (in its output order), and its bias in that order."""
+    bias = torch.empty(0) if linear.bias is None else linear.bias
+    data = linear.panels
+    if data is None:
+        data = linear.weight.data
+        if linear.order is not None:  # a copy of the rows in the order the runtime computes
+            data, bias = data[linear.order], bias[linear.order] if bias.numel() else bias
+    return module.Part(data=data.contiguous(), type=int(linear.weight.qtype),
+                       panels=linear.panels is not None, out_features=linear.out_features,
+                       in_features=linear.in_features, bias=bias.float().contiguous())
 

@@ -1,0 +1,445 @@
+// A whole decoder pass over GGUF-quantised weights in one call (module.cpp binds it as
+// forward_layers): for every layer RMSNorm, q/k/v with bias, rotary, the KV cache write,
+// attention over the cache (chains and token trees), the output projection, the SwiGLU MLP and
+// the residual stream, all in float32 beside this path's integer products. Python calls it once
+// a pass (runtime/native/gguf_model.py), where a PyTorch loop pays a dozen ops a layer.
+//
+// Batch invariance by construction: every value is computed by one thread from its own inputs
+// in a fixed order, whatever the pass holds and however many threads run it.
+//   - products: each activation row quantised alone (activations.h), multiplied in the panel
+//     order (panels.h) or dot.h's; a row's outputs never depend on the other rows;
+//   - norms, rotary, SwiGLU: per position (vector.h);
+//   - attention: each query head of each position alone over exactly its own keys, 0..p for a
+//     chain and slots 0..base-1 then its path for a tree node (the keys the chain to it holds),
+//     scores, softmax and the weighted sum of values in key order.
+// So a prompt pass and a verification pass give a position the same bits, and so do 1 and 2
+// threads (tests/test_quant_forward.py).
+//
+// Threads: one OpenMP region for the whole pass; each phase splits its work (rows, 16-output
+// units of the products, attention tasks) over the threads and ends at a barrier.
+
+#pragma once
+
+#include "activations.h"
+#include "rows.h"
+#include "vector.h"
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace vq {
+
+struct Shape {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate;
+  float eps;  // the RMS norms'
+};
+
+// One weight of a projection, whose outputs follow the previous part's: panels of 16 rows
+// ([N / 16, panel bytes], `pack`) or the file's rows ([N, row_bytes]), and a bias or none.
+struct Part {
+  torch::Tensor data;
+  int64_t type;
+  bool panels;
+  int64_t out_features, in_features;  // N, K
+  torch::Tensor bias;                 // [N] float32, or empty
+
+  Part(torch::Tensor data_, int64_t type_, bool panels_, int64_t n, int64_t k,
+       torch::Tensor bias_)
+      : data(std::move(data_)), type(type_), panels(panels_), out_features(n), in_features(k),
+        bias(std::move(bias_)) {
+    TORCH_CHECK(known_type(int(type)), "unsupported GGUF type ", type);
+    TORCH_CHECK(data.dim() == 2 && data.scalar_type() == torch::kUInt8 && data.is_contiguous(),
+                "weights: a contiguous uint8 tensor");
+    if (panels) {
+      TORCH_CHECK(panels_for(int(type)) != nullptr, "the ", path_name(),
+                  " path has no panel kernel for type ", type);
+      TORCH_CHECK(n % PANEL == 0 && data.size(0) == n / PANEL && k % panel_block_size(int(type)) == 0 &&
+                  data.size(1) == panel_bytes(int(type), k), "panels: pack(weight)'s layout");
+    } else {
+      const Layout shape = layout(int(type));
+      TORCH_CHECK(rows_for(int(type)) != nullptr && data.size(0) == n && k % shape.block_size == 0 &&
+                  data.size(1) == k / shape.block_size * shape.block_bytes,
+                  "weights: the file's rows [N, row_bytes]");
+    }
+    TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 &&
+                                      bias.numel() == n && bias.is_contiguous()),
+                "bias: [out_features] float32");
+  }
+};
+
+using Projection = std::vector<Part>;  // parts side by side over the same input
+
+inline int64_t out_features(const Projection& projection) {
+  int64_t n = 0;
+  for (const Part& part : projection) n += part.out_features;
+  return n;
+}
+
+struct LayerWeights {
+  torch::Tensor attn_norm, mlp_norm;  // [H] float32
+  Projection qkv;                     // H -> (heads + 2 kv_heads) d, rotary order
+  Projection out;                     // heads d -> H
+  Projection gate_up;                 // H -> 2 I
+  Projection down;                    // I -> H
+};
+
+// What a model's pass needs besides its rows, checked once at load.
+struct Decoder {
+  Shape shape;
+  std::vector<LayerWeights> layers;
+  torch::Tensor cos, sin;  // [max_positions, d] float32 rotary tables (llama.py's rope_tables)
+
+  Decoder(Shape shape_, std::vector<LayerWeights> layers_, torch::Tensor cos_, torch::Tensor sin_)
+      : shape(shape_), layers(std::move(layers_)), cos(std::move(cos_)), sin(std::move(sin_)) {
+    const int64_t h = shape.hidden, d = shape.head_dim, inter = shape.intermediate;
+    TORCH_CHECK(h % LANES == 0 && inter % LANES == 0 && d % LANES == 0,
+                "hidden, intermediate and head_dim must be multiples of 16");
+    TORCH_CHECK(shape.kv_heads > 0 && shape.heads % shape.kv_heads == 0,
+                "heads must be a multiple of kv_heads");
+    for (const torch::Tensor* table : {&cos, &sin})
+      TORCH_CHECK(table->scalar_type() == torch::kFloat32 && table->is_contiguous() &&
+                  table->dim() == 2 && table->size(1) == d, "rotary tables: [positions, d]");
+    const auto check = [](const Projection& projection, int64_t n, int64_t k, const char* name) {
+      TORCH_CHECK(out_features(projection) == n, name, ": ", out_features(projection),
+                  " outputs, the shape says ", n);
+      for (const Part& part : projection)
+        TORCH_CHECK(part.in_features == k, name, ": ", part.in_features, " inputs, the shape says ",
+                    k);
+    };
+    for (const LayerWeights& layer : layers) {
+      for (const torch::Tensor* norm : {&layer.attn_norm, &layer.mlp_norm})
+        TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->is_contiguous() &&
+                    norm->numel() == h, "norm weights: [hidden] float32");
+      check(layer.qkv, (shape.heads + 2 * shape.kv_heads) * d, h, "qkv");
+      check(layer.out, h, shape.heads * d, "out");
+      check(layer.gate_up, 2 * inter, h, "gate_up");
+      check(layer.down, h, inter, "down");
+    }
+  }
+};
+
+// The rows of one pass (as the bfloat16 stack's): row r's new slots starts[r]..+lengths[r]-1 of
+// its cache keys[r], values[r] [layers, kv_heads, capacity, d] float32. Trees (tree_bases
+// empty: none): row r with tree_bases[r] >= 0 holds a tree from that slot on; new slot i (over
+// the pass) attends over slots 0..base-1, then path_slots[path_offsets[i]..path_offsets[i+1])
+// (its ancestors and itself), at position base - 1 + its depth; an empty path is a chain slot.
+struct PassRows {
+  std::vector<torch::Tensor> keys, values;
+  std::vector<int64_t> starts, lengths;
+  std::vector<int64_t> tree_bases, path_slots, path_offsets;
+};
+
+// One pass's activations quantised for products over K inputs (codes, scales and the sums the
+// panel order reads), `rows` rows.
+struct QuantisedRows {
+  int64_t padded;
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums, s32;
+  std::vector<int32_t> b16;
+
+  QuantisedRows(int64_t rows, int64_t K)
+      : padded(padded_length(K)), codes(rows * padded), scales(rows * padded / QK),
+        sums(rows * padded / 16), s32(rows * padded / QK), b16(rows * padded / 16) {}
+  Activations view() const { return {codes.data(), scales.data(), sums.data(), padded}; }
+  PanelSums panel_sums_view() const { return {s32.data(), b16.data()}; }
+  void quantise(const float* x, int64_t K, int64_t row) {
+    quantize_row(x, K, padded, codes.data() + row * padded, scales.data() + row * (padded / QK),
+                 sums.data() + row * (padded / 16));
+    panel_sums(view(), row, s32.data() + row * (padded / QK), b16.data() + row * (padded / 16));
+  }
+};
+
+// 16 outputs of one part: the unit the threads share out in a product.
+struct Unit {
+  int32_t part;
+  int32_t first;  // the part's output where the unit starts (a multiple of 16)
+};
+
+inline std::vector<Unit> units_of(const Projection& projection) {
+  std::vector<Unit> units;
+  for (size_t p = 0; p < projection.size(); p++)
+    for (int64_t n = 0; n < projection[p].out_features; n += PANEL)
+      units.push_back({int32_t(p), int32_t(n)});
+  return units;
+}
+
+// Activation rows a product takes through one weight unit before the next: a prompt chunk's
+// rows in blocks whose codes stay in L2 while the thread's share of the weight streams past.
+constexpr int64_t ROW_BLOCK = 32;
+
+// out[r, column of the unit's outputs] for rows first..last-1 (out: [rows, ldy]).
+inline void multiply_unit(const Projection& projection, const Unit& unit, const QuantisedRows& x,
+                          int64_t first, int64_t last, float* out, int64_t ldy) {
+  const Part& part = projection[unit.part];
+  int64_t column = unit.first;
+  for (int32_t p = 0; p < unit.part; p++) column += projection[p].out_features;
+  const int64_t K = part.in_features, count = std::min<int64_t>(PANEL, part.out_features - unit.first);
+  const Activations acts = x.view();
+  const uint8_t* data = part.data.data_ptr<uint8_t>();
+  if (part.panels) {
+    const PanelFn kernel = panels_for(int(part.type));
+    const PanelSums sums = x.panel_sums_view();
+    const uint8_t* panel = data + unit.first / PANEL * part.data.size(1);
+    for (int64_t r0 = first; r0 < last; r0 += PANEL_TILE)
+      kernel(panel, K, acts, sums, r0, std::min<int64_t>(PANEL_TILE, last - r0),
+             out + r0 * ldy + column, ldy);
+  } else {
+    const RowsFn kernel = rows_for(int(part.type));
+    const int64_t row_bytes = part.data.size(1);
+    for (int64_t n = 0; n < count; n++)
+      for (int64_t r0 = first; r0 < last; r0 += MAX_TILE)
+        kernel(data + (unit.first + n) * row_bytes, K, acts, r0,
+               std::min<int64_t>(MAX_TILE, last - r0), out + r0 * ldy + column + n, ldy);
+  }
+  if (part.bias.numel()) {
+    const float* bias = part.bias.data_ptr<float>() + unit.first;
+    for (int64_t r = first; r < last; r++)
+      for (int64_t n = 0; n < count; n++) out[r * ldy + column + n] += bias[n];
+  }
+}
+
+// y [rows, N] = x . projection^T inside the pass's parallel region: each thread its static
+// share of the units, then a barrier.
+inline void product(const Projection& projection, const std::vector<Unit>& units,
+                    const QuantisedRows& x, int64_t rows, float* y) {
+  const int64_t ldy = out_features(projection);
+  const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+  const int64_t count = int64_t(units.size());
+  const int64_t first = count * thread / threads, last = count * (thread + 1) / threads;
+  for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
+    for (int64_t u = first; u < last; u++)
+      multiply_unit(projection, units[u], x, r0, std::min(rows, r0 + ROW_BLOCK), y, ldy);
+#pragma omp barrier
+}
+
+struct Row {
+  float* keys;  // this row's cache [layers, kv_heads, capacity, d]
+  float* values;
+  int64_t capacity, start, length, offset;  // new slots start..start+length-1 at x[offset..]
+  int64_t tree_base;                        // -1, or the first slot of a token tree
+};
+
+// Query heads of one row and KV head that one task attends: members first..last-1, member
+// t * group + head in group.
+struct AttentionTask {
+  int64_t row, kv_head, first, last;
+};
+
+// One query head over its keys (key j at slot j below `base`, path[j - base] from it on;
+// `count` keys): out [d] = softmax(q . k_j * scale) . v_j in key order.
+inline void attend_query(const float* q, const float* keys, const float* values, int64_t d,
+                         int64_t count, int64_t base, const int64_t* path, float scale,
+                         float* scores, float* out) {
+  const auto slot = [&](int64_t j) { return j < base ? j : path[j - base]; };
+  // 1. scores, and their maximum
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < count; j++) {
+    scores[j] = dot_lanes(q, keys + slot(j) * d, d) * scale;
+    top = scores[j] > top ? scores[j] : top;
+  }
+  // 2. weights e^(s - max), zero past the last key, summed lane by lane
+  const int64_t padded = (count + LANES - 1) / LANES * LANES;
+  for (int64_t j = count; j < padded; j++) scores[j] = 0.0f;
+  Floats total = Floats{};
+  for (int64_t j = 0; j < padded; j += LANES) {
+    Floats w = exp_lanes(load_lanes(scores + j) - top);
+    if (j + LANES > count)
+      for (int64_t l = count - j; l < LANES; l++) w[l] = 0.0f;
+    store_lanes(scores + j, w);
+    total = total + w;
+  }
+  const Floats sum = splat(lane_sum(total));
+  // 3. the weighted sum of values in key order
+  Floats acc[512 / LANES];
+  const int64_t chunks = d / LANES;
+  for (int64_t c = 0; c < chunks; c++) acc[c] = Floats{};
+  for (int64_t j = 0; j < count; j++) {
+    const float* v = values + slot(j) * d;
+    const Floats w = splat(scores[j]);
+    for (int64_t c = 0; c < chunks; c++) acc[c] = acc[c] + w * load_lanes(v + c * LANES);
+  }
+  for (int64_t c = 0; c < chunks; c++) store_lanes(out + c * LANES, acc[c] / sum);
+}
+
+// The decoder layers over every row's new positions: x [N, H] float32 is updated in place, each
+// row's keys and values at its new slots are written into its cache, and taps
+// [N, len(tap_layers), H] gets the hidden state after the first tap_layers[j] layers.
+inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRows& pass,
+                           torch::Tensor taps, const std::vector<int64_t>& tap_layers) {
+  const Shape& shape = decoder.shape;
+  const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim, inter = shape.intermediate;
+  const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
+  const int64_t qkv_width = q_width + 2 * kv_width, group = shape.heads / shape.kv_heads;
+  const int64_t num_layers = int64_t(decoder.layers.size());
+  TORCH_CHECK(d <= 512, "head_dim at most 512");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
+              x.size(1) == h, "x: [N, hidden] float32");
+  const size_t num_rows = pass.starts.size();
+  TORCH_CHECK(pass.keys.size() == num_rows && pass.values.size() == num_rows &&
+              pass.lengths.size() == num_rows, "one cache, start and length a row");
+  const int64_t num_taps = int64_t(tap_layers.size());
+  TORCH_CHECK(num_taps == 0 || (taps.dim() == 3 && taps.is_contiguous() &&
+                                taps.scalar_type() == torch::kFloat32 && taps.size(0) == n &&
+                                taps.size(1) == num_taps && taps.size(2) == h),
+              "taps must be [N, len(tap_layers), H] float32");
+  const bool trees = !pass.tree_bases.empty();
+  TORCH_CHECK(!trees || (pass.tree_bases.size() == num_rows &&
+                         int64_t(pass.path_offsets.size()) == n + 1), "tree arguments' sizes");
+  const auto path_length = [&](int64_t i) {
+    return trees ? pass.path_offsets[i + 1] - pass.path_offsets[i] : int64_t(0);
+  };
+  // 1. The rows, and each new slot's position; everything checked before the threads start.
+  std::vector<Row> rows;
+  std::vector<int64_t> positions, row_of;  // [N]
+  int64_t offset = 0, longest = 0;
+  for (size_t r = 0; r < num_rows; r++) {
+    const torch::Tensor &keys = pass.keys[r], &values = pass.values[r];
+    TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() &&
+                keys.scalar_type() == torch::kFloat32 && values.sizes() == keys.sizes() &&
+                values.scalar_type() == torch::kFloat32 && keys.size(0) == num_layers &&
+                keys.size(1) == shape.kv_heads && keys.size(3) == d,
+                "caches: [layers, kv_heads, capacity, d] float32");
+    const int64_t base = trees ? pass.tree_bases[r] : -1;
+    TORCH_CHECK(pass.lengths[r] >= 0 && pass.starts[r] >= 0 &&
+                pass.starts[r] + pass.lengths[r] <= keys.size(2), "cache too short");
+    TORCH_CHECK(base < 0 || (base >= 1 && base <= pass.starts[r] + pass.lengths[r]),
+                "bad tree row");
+    rows.push_back({keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2),
+                    pass.starts[r], pass.lengths[r], offset, base});
+    for (int64_t t = 0; t < pass.lengths[r]; t++) {
+      const int64_t i = offset + t, depth = path_length(i);
+      TORCH_CHECK(depth == 0 || base >= 0, "a path in a row without a tree");
+      for (int64_t j = 0; j < depth; j++) {
+        const int64_t slot = pass.path_slots[pass.path_offsets[i] + j];
+        TORCH_CHECK(slot >= base && slot < pass.starts[r] + pass.lengths[r],
+                    "path slot out of the tree");
+      }
+      const int64_t position = depth ? base - 1 + depth : pass.starts[r] + t;
+      TORCH_CHECK(position < decoder.cos.size(0), "position past the rotary tables");
+      TORCH_CHECK(depth || base < 0 || pass.starts[r] + t < base,
+                  "a tree slot without its path");
+      positions.push_back(position);
+      row_of.push_back(int64_t(r));
+      longest = std::max(longest, position + 1);
+    }
+    offset += pass.lengths[r];
+  }
+  TORCH_CHECK(offset == n, "rows hold ", offset, " positions, x ", n);
+  if (n == 0) return;
+
+  // 2. Attention tasks: a lone decode row's query heads one a task (work for every thread),
+  // else up to 16 query heads of one KV head.
+  std::vector<AttentionTask> tasks;
+  for (size_t r = 0; r < rows.size(); r++) {
+    const int64_t members = rows[r].length * group;
+    const int64_t size = rows.size() == 1 && rows[r].length == 1 ? 1 : 16;
+    for (int64_t kv_head = 0; kv_head < shape.kv_heads; kv_head++)
+      for (int64_t first = 0; first < members; first += size)
+        tasks.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});
+  }
+  std::vector<std::vector<Unit>> units[4];
+  for (const LayerWeights& layer : decoder.layers) {
+    units[0].push_back(units_of(layer.qkv));
+    units[1].push_back(units_of(layer.out));
+    units[2].push_back(units_of(layer.gate_up));
+    units[3].push_back(units_of(layer.down));
+  }
+
+  // 3. Buffers of the pass.
+  float* hidden = x.data_ptr<float>();
+  std::vector<float> normed(n * h), qkv(n * qkv_width), attended(n * q_width), y(n * h),
+      gate_up(n * 2 * inter), act(n * inter);
+  QuantisedRows by_hidden(n, h), by_heads(n, q_width), by_inter(n, inter);
+  const float* cos = decoder.cos.data_ptr<float>();
+  const float* sin = decoder.sin.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(float(d));
+  const float eps = shape.eps;
+  float* tap_out = num_taps ? taps.data_ptr<float>() : nullptr;
+  const int64_t* path_slots = pass.path_slots.data();
+  const int64_t scratch_size = (longest + LANES - 1) / LANES * LANES;
+  // the residual of the previous layer's MLP, and the taps after it
+  const auto finish_layer = [&](int64_t i, int64_t done) {
+    float* row = hidden + i * h;
+    for (int64_t k = 0; k < h; k += LANES) store_lanes(row + k, load_lanes(row + k) + load_lanes(&y[i * h + k]));
+    for (int64_t j = 0; j < num_taps; j++)
+      if (tap_layers[j] == done) std::memcpy(tap_out + (i * num_taps + j) * h, row, h * 4);
+  };
+
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+  {
+    std::vector<float> scores(scratch_size);
+    for (int64_t layer = 0; layer < num_layers; layer++) {
+      const LayerWeights& w = decoder.layers[layer];
+      const float* attn_norm = w.attn_norm.data_ptr<float>();
+      const float* mlp_norm = w.mlp_norm.data_ptr<float>();
+      // 1. The previous layer's residual, the attention norm, activations quantised.
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; i++) {
+        if (layer > 0) finish_layer(i, layer);
+        rms_norm_row(hidden + i * h, h, attn_norm, eps, &normed[i * h]);
+        by_hidden.quantise(&normed[i * h], h, i);
+      }
+      // 2. Fused q/k/v (rotary order, bias added).
+      product(w.qkv, units[0][layer], by_hidden, n, qkv.data());
+      // 3. Rotary on q and k; keys and values into each row's cache.
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; i++) {
+        float* at = &qkv[i * qkv_width];
+        rotate_heads(at, shape.heads + shape.kv_heads, d, cos + positions[i] * d,
+                     sin + positions[i] * d);
+        const Row& row = rows[row_of[i]];
+        const int64_t slot = row.start + (i - row.offset);
+        for (int64_t g = 0; g < shape.kv_heads; g++) {
+          const int64_t to = ((layer * shape.kv_heads + g) * row.capacity + slot) * d;
+          std::memcpy(row.keys + to, at + q_width + g * d, d * 4);
+          std::memcpy(row.values + to, at + q_width + kv_width + g * d, d * 4);
+        }
+      }
+      // 4. Attention, each query head over exactly its own keys.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < int64_t(tasks.size()); task++) {
+        const AttentionTask& a = tasks[task];
+        const Row& row = rows[a.row];
+        const int64_t at = (layer * shape.kv_heads + a.kv_head) * row.capacity * d;
+        for (int64_t member = a.first; member < a.last; member++) {
+          const int64_t i = row.offset + member / group;
+          const int64_t head = a.kv_head * group + member % group;
+          const int64_t depth = path_length(i);
+          const int64_t base = depth ? row.tree_base : std::numeric_limits<int64_t>::max();
+          attend_query(&qkv[i * qkv_width + head * d], row.keys + at, row.values + at, d,
+                       positions[i] + 1, base, depth ? path_slots + pass.path_offsets[i] : nullptr,
+                       scale, scores.data(), &attended[i * q_width + head * d]);
+        }
+      }
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; i++) by_heads.quantise(&attended[i * q_width], q_width, i);
+      // 5. Output projection onto the residual stream; the MLP norm.
+      product(w.out, units[1][layer], by_heads, n, y.data());
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; i++) {
+        float* row = hidden + i * h;
+        for (int64_t k = 0; k < h; k += LANES) store_lanes(row + k, load_lanes(row + k) + load_lanes(&y[i * h + k]));
+        rms_norm_row(row, h, mlp_norm, eps, &normed[i * h]);
+        by_hidden.quantise(&normed[i * h], h, i);
+      }
+      // 6. SwiGLU MLP; its residual joins at the next layer's step 1.
+      product(w.gate_up, units[2][layer], by_hidden, n, gate_up.data());
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; i++) {
+        swiglu_row(&gate_up[i * 2 * inter], &gate_up[i * 2 * inter + inter], inter,
+                   &act[i * inter]);
+        by_inter.quantise(&act[i * inter], inter, i);
+      }
+      product(w.down, units[3][layer], by_inter, n, y.data());
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) finish_layer(i, num_layers);
+  }
+}
+
+}  // namespace vq
