@@ -5,8 +5,9 @@ with under the defaults, follow from these."""
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
+
+from verispec import kernel_build
 
 
 @functools.cache
@@ -38,10 +39,12 @@ def has_bf16() -> bool:
 
 
 def kernels_enabled() -> bool:
-    """VERISPEC_KERNELS=0 turns verispec's compiled kernels off (both families)."""
-    return os.environ.get("VERISPEC_KERNELS", "1") != "0"
+    """Whether any of verispec's compiled kernels may run (VERISPEC_KERNELS, read by
+    verispec.kernel_build)."""
+    return kernel_build.kernel_setting().enabled
 
 
 def runs_bf16_kernels() -> bool:
-    """Whether the native runtime's C++ bfloat16 kernels run here."""
-    return has_bf16() and kernels_enabled()
+    """Whether the native runtime's C++ bfloat16 kernels run here: AVX512-BF16, and a
+    VERISPEC_KERNELS setting that allows AVX-512."""
+    return has_bf16() and kernel_build.kernel_setting().allows("avx512")

@@ -31,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import logging as hf_logging
 
-from verispec import cpu, models
+from verispec import cpu, kernel_build, models
 from verispec.errors import ModelNotFoundError
 from verispec.quant import gguf
 from verispec.quant import kernels as quant_kernels
@@ -204,8 +204,7 @@ def gguf_tokenizer(file: gguf.GGUFFile):
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "verispec" / "models"
+    return kernel_build.cache_folder("models")
 
 
 def _safetensors_cache(source: ModelSource) -> Path:

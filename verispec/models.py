@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec import kernel_build
 from verispec.errors import ModelNotFoundError, VerispecError
 
 log = logging.getLogger("verispec")
@@ -129,8 +130,7 @@ REGISTRY: dict[str, ModelEntry] = {entry.name: entry for entry in (
 
 def cache_dir() -> Path:
     """Where pulled files live: $XDG_CACHE_HOME/verispec/models (default ~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "verispec" / "models"
+    return kernel_build.cache_folder("models")
 
 
 def entry(name: str) -> ModelEntry:

@@ -3,60 +3,40 @@
 ~40 small tensor operations and [V] temporaries per call, and with block verification's
 Z_i computed only where a coin needs it.
 
-Built with the system compiler on first use (~1 s; plain C++, no PyTorch headers), cached in
-$XDG_CACHE_HOME/verispec/verify-native, loaded with ctypes. Where it cannot build, or with
-VERISPEC_KERNELS=0, `load()` gives None and verify.py runs its PyTorch code.
+Built with the system compiler on first use (~1 s; plain C++, no PyTorch headers; cached by
+verispec.kernel_build), loaded with ctypes. Where it cannot build, or with VERISPEC_KERNELS=0,
+`load()` gives None and verify.py runs its PyTorch code.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from verispec import cpu
+from verispec import kernel_build
 
 log = logging.getLogger("verispec")
 
 SOURCE = Path(__file__).with_name("verify_native.cpp")
 # no -ffp-contract: each float32 product is rounded before its difference, as in PyTorch
-FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", "-Wno-psabi"]
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-psabi"]
 METHOD_CODES = {"token": 0, "block": 1}
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot run here."""
-    return _build() if cpu.kernels_enabled() else None
+    return _build() if kernel_build.kernel_setting().enabled else None
 
 
 @functools.cache
 def _build() -> ctypes.CDLL | None:
-    from verispec.loading import cache_root
-
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
-    library = cache_root().parent / "verify-native" / f"verify-{key}.so"
-    try:
-        if not library.exists():
-            library.parent.mkdir(parents=True, exist_ok=True)
-            # built beside its final name and renamed: concurrent first uses never load half a file
-            with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-                built = Path(scratch) / library.name
-                subprocess.run([os.environ.get("CXX", "g++"), *FLAGS, str(SOURCE), "-o",
-                                str(built)], check=True, capture_output=True, text=True,
-                               timeout=300)
-                os.replace(built, library)
-        handle = ctypes.CDLL(str(library))
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", None) or str(err)
-        log.warning("verification: could not build the C++ chain verifier (%s); PyTorch runs it",
-                    detail.strip().splitlines()[-1] if detail.strip() else type(err).__name__)
+    handle = kernel_build.build_library("verify_native", SOURCE, FLAGS,
+                                        "verification: the C++ chain verifier")
+    if handle is None:
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     handle.verify_chains.restype = integer

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from verispec import cpu
+from verispec import cpu, kernel_build
 
 log = logging.getLogger("verispec")
 
@@ -84,40 +83,21 @@ def load(path: str) -> ModuleType | None:
 
 @functools.cache
 def _build(path: str) -> ModuleType | None:
-    from torch.utils import cpp_extension
-
-    # One folder per torch version and path; ninja rebuilds only what changed in it (the
-    # module's torch bindings take a minute; a kernel translation unit seconds).
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    folder = base / "verispec" / "quant-kernels" / f"torch-{torch.__version__}-{path}"
-    folder.mkdir(parents=True, exist_ok=True)
-    began = time.perf_counter()
-    try:
-        module = cpp_extension.load(
-            name=f"verispec_quant_{path}", build_directory=str(folder),
-            sources=[str(SOURCES / "module.cpp"), str(SOURCES / f"{path}.cpp")],
-            extra_cflags=FLAGS[path], extra_ldflags=["-lgomp"], verbose=False)
-    except Exception as err:  # no compiler, no ninja, a failed build
-        lines = str(err).strip().splitlines()
-        log.warning("quantised kernels: could not build the %s path (%s)", path,
-                    lines[-1] if lines else type(err).__name__)
-        return None
-    if time.perf_counter() - began > 2:
-        log.info("quantised kernels: built the %s path in %.0f s (cached)", path,
-                 time.perf_counter() - began)
-    return module
+    sources = [SOURCES / "module.cpp", SOURCES / f"{path}.cpp"]
+    return kernel_build.build_extension(f"verispec_quant_{path}", sources,
+                                        sorted(SOURCES.glob("*.h")), FLAGS[path],
+                                        f"quantised kernels ({path} path)")
 
 
 @functools.cache
 def _active() -> tuple[str, ModuleType | None]:
-    wanted = os.environ.get("VERISPEC_KERNELS", "1")
-    if not cpu.kernels_enabled():
+    setting = kernel_build.kernel_setting()
+    if not setting.enabled:
         log.info("quantised kernels: off (VERISPEC_KERNELS=0); products in PyTorch")
         return "off", None
-    paths = list(RUNS_HERE)
-    if wanted in paths:  # VERISPEC_KERNELS=avx2 or =scalar: that path or a slower one
-        paths = paths[paths.index(wanted):]
-    for path in paths:
+    for path in RUNS_HERE:  # the fastest path first, as far as the setting allows
+        if not setting.allows(path):
+            continue
         module = load(path)
         if module is not None:
             log.info("quantised kernels: %s path", path)

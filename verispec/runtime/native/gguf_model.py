@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
-from verispec.quant.kernels import compiled
 from verispec.quant import linear as quant_linear
+from verispec.quant.kernels import compiled
 from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
 from verispec.quant.model import GGUFModel, qk_order
 from verispec.runtime.native.llama import INVARIANT_MAX, LayerWeights, LlamaShape, NativeLlama
