@@ -89,7 +89,7 @@ def feature_drafter(model, vocab: int, tree_width: int = 1):
     drafting trees tree_width wide for greedy and sampled rows."""
     from verispec.distill.feature import FeatureHead
     from verispec.drafters.feature import FeatureDrafter
-    from verispec.runtime.native.llama import LlamaShape
+    from verispec.runtime.native.shape import LlamaShape
 
     head = FeatureHead(LlamaShape.from_config(model.config))
     head.init_from(model)

@@ -31,7 +31,7 @@ from verispec.drafters.folder import is_feature_draft
 from verispec.drafters.load import load_drafter
 from verispec.errors import IncompatibleDraftError
 from verispec.runtime.native import NativeLlama, NativeRunner
-from verispec.runtime.native.llama import LlamaShape
+from verispec.runtime.native.shape import LlamaShape
 from verispec.sampling import warp
 
 VOCAB = EOS_ID + 1

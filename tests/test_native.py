@@ -10,8 +10,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.runtime.native import NativeLlama, NativeRunner, UnsupportedModelError
-from verispec.runtime.native import llama as native_llama
-from verispec.runtime.native.llama import Linear
+from verispec.runtime.native import layers as native_layers
+from verispec.runtime.native.layers import Linear
 
 IDS = torch.randint(0, 64, (80,), generator=torch.Generator().manual_seed(0))
 
@@ -85,7 +85,7 @@ def test_a_layer_that_rounds_a_lone_row_differently_is_padded_to_two_rows(monkey
     that rounds differently when the call holds one row gets min_rows 2, and its one-row calls
     then give the wider calls' bits; the control (no padding) differs."""
     monkeypatch.setenv("VERISPEC_KERNELS", "0")
-    monkeypatch.setattr(native_llama, "_ROWS_PROBED", {})
+    monkeypatch.setattr(native_layers, "_ROWS_PROBED", {})
     product = Linear._product
 
     def lone_row_rounds_up(self, x):

@@ -15,7 +15,8 @@ from verispec.quant import kernels
 from verispec.quant.gguf import read
 from verispec.quant.model import GGUFModel
 from verispec.runtime.native import gguf_model
-from verispec.runtime.native.llama import RowPass, TreeLinks
+from verispec.runtime.native.cache import TreeLinks
+from verispec.runtime.native.llama import RowPass
 
 IDS = torch.randint(0, 94, (48,), generator=torch.Generator().manual_seed(3))
 

@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verispec.drafters.base import Draft
 from verispec.runtime.native import NativeLlama, NativeRunner, batched_logits
 from verispec.runtime.native import kernels as native_kernels
-from verispec.runtime.native.llama import RowPass, TreeLinks
+from verispec.runtime.native.cache import TreeLinks
+from verispec.runtime.native.llama import RowPass
 
 IDS = torch.randint(0, 96, (120,), generator=torch.Generator().manual_seed(5))
 

@@ -32,7 +32,9 @@ from transformers import PreTrainedModel
 from verispec.distill.data import Transcript
 from verispec.drafters.feature import tap_inputs
 from verispec.drafters.folder import taps_fit
-from verispec.runtime.native.llama import LlamaShape, NativeLlama, rope_tables, rotate
+from verispec.runtime.native.attention import rope_tables, rotate
+from verispec.runtime.native.llama import NativeLlama
+from verispec.runtime.native.shape import LlamaShape
 from verispec.theory import sampled_acceptance
 
 log = logging.getLogger("verispec.distill")

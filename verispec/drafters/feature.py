@@ -29,14 +29,10 @@ from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
 from verispec.runtime import Runner, common_prefix
 from verispec.runtime.native import NativeRunner
-from verispec.runtime.native.llama import (
-    LayerWeights,
-    Linear,
-    LlamaShape,
-    NativeLlama,
-    RowPass,
-    TreeLinks,
-)
+from verispec.runtime.native.cache import TreeLinks
+from verispec.runtime.native.layers import LayerWeights, Linear
+from verispec.runtime.native.llama import NativeLlama, RowPass
+from verispec.runtime.native.shape import LlamaShape
 from verispec.sampling import draw, greedy_tokens, sample_distinct, warp
 
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
 from verispec.quant import linear as quant_linear
 from verispec.quant.kernels import compiled
 from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
 from verispec.quant.model import GGUFModel, qk_order
-from verispec.runtime.native.llama import INVARIANT_MAX, LayerWeights, LlamaShape, NativeLlama
+from verispec.runtime.native.attention import attend_each_query
+from verispec.runtime.native.layers import LayerWeights
+from verispec.runtime.native.llama import NativeLlama
 from verispec.runtime.native.runner import NativeRunner
+from verispec.runtime.native.shape import LlamaShape
 
 log = logging.getLogger("verispec")
 
@@ -124,17 +126,9 @@ class GGUFLlama(NativeLlama):
     def _attend(self, q: torch.Tensor, cache, index: int, start: int, end: int,
                 plan) -> torch.Tensor:
         """q [nh, T, d] -> [nh, T, d]: each query alone over exactly its own keys."""
-        if plan is not None or q.shape[1] <= INVARIANT_MAX:
+        if plan is not None:
             return super()._attend(q, cache, index, start, end, plan)
-        keys, values = cache.keys[index].unsqueeze(0), cache.values[index].unsqueeze(0)
-        heads, length, dim = q.shape
-        kv_heads = self.shape.num_kv_heads
-        grouped = q.view(kv_heads, heads // kv_heads, length, dim)
-        return torch.cat([
-            F.scaled_dot_product_attention(
-                grouped[None, :, :, t], keys[:, :, :start + t + 1],
-                values[:, :, :start + t + 1]).view(heads, 1, dim)
-            for t in range(length)], dim=1)
+        return attend_each_query(q, cache, index, start)
 
     def describe(self) -> str:
         linears = [self.lm_head, *(part for layer in self.layers

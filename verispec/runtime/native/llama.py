@@ -1,20 +1,18 @@
-"""A compact Llama-family decoder (Llama, SmolLM2, Mistral/Qwen2-style without sliding windows):
-RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, tied or untied head.
+"""The native runtime's model: a compact Llama-family decoder (Llama, SmolLM2, Mistral/Qwen2-style
+without sliding windows) over plain weight tensors: RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU, tied or untied head.
 
-Weights are plain tensors taken from a loaded transformers model; q/k/v and gate/up are fused
-into one matrix each. Each sequence has its own KV cache, [layers, kv_heads, capacity, d],
-grown by doubling, and its length is the caller's business: rolling back is passing a smaller
-`start` next time. One forward pass serves many sequences (rows), each at its own position.
+Weights are taken from a loaded transformers model; q/k/v and gate/up are fused into one matrix
+each (layers.py). Each sequence has its own KV cache (cache.py) and its length is the caller's
+business: rolling back is passing a smaller `start` next time. One forward pass serves many
+sequences (rows), each at its own position.
 
-Batch invariance: in decode and verification passes (up to INVARIANT_MAX positions) a query at
-position p attends over the keys 0..L(p)-1, L(p) = p + 1 rounded up to KEY_BLOCK, with the keys
-after p masked, whatever else the pass holds: one attention call for the queries that share an
-L, and a one-token step is the case of one query. Whether the attention kernel's rows are then
-independent of how many rows a call holds is probed when the model is built (true for bfloat16
-on oneDNN CPUs, not for float32); where the probe fails, queries attend one by one over exactly
-their own keys. Linear layers run as one GEMM, whose rows do not depend on the row count for
-bfloat16 (oneDNN) on CPU. `tests/test_native.py` checks bitwise equality of a position's logits
-across pass sizes.
+Batch invariance: a row's logits are the same bits alone or in any batch and at any position of
+a pass. Where verispec's C++ kernels run, a pass is one call (kernels.cpp for bfloat16,
+quant/kernels/forward.h for GGUF weights) built that way; the PyTorch loop gets it from linear
+layers whose rows do not depend on the row count (layers.py) and attention that gives a query
+the same bits in any pass (attention.py). `tests/test_native.py` checks bitwise equality of a
+position's logits across pass sizes.
 """
 
 from __future__ import annotations
@@ -27,268 +25,21 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from verispec.errors import VerispecError
-from verispec.runtime.native import kernels
+from verispec.runtime.native.attention import (
+    INVARIANT_MAX,
+    QueryGroup,
+    attend,
+    attend_tree,
+    attention_plan,
+    rope_tables,
+    rotate,
+    rows_are_independent,
+)
+from verispec.runtime.native.cache import KVCache, TreeLinks
+from verispec.runtime.native.layers import LayerWeights, Linear
+from verispec.runtime.native.shape import LlamaShape
 
 log = logging.getLogger("verispec")
-
-SUPPORTED = ("llama", "mistral", "qwen2")
-INVARIANT_MAX = 16  # passes up to this many positions attend batch-invariantly
-KEY_BLOCK = 64  # such passes attend over keys padded to a multiple of this, the rest masked
-
-
-class UnsupportedModelError(VerispecError, ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class LlamaShape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_positions: int
-    attention_bias: bool
-
-    @classmethod
-    def from_config(cls, config) -> LlamaShape:
-        kind = getattr(config, "model_type", None)
-        if kind not in SUPPORTED:
-            raise UnsupportedModelError(f"the native runtime supports {', '.join(SUPPORTED)}, "
-                                        f"not {kind!r}")
-        rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise UnsupportedModelError(f"rope scaling {rope.get('rope_type')!r} is not supported")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            raise UnsupportedModelError("sliding-window attention is not supported")
-        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
-            raise UnsupportedModelError("only SwiGLU MLPs without bias are supported")
-        heads = config.num_attention_heads
-        return cls(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rms_norm_eps=config.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
-            max_positions=config.max_position_embeddings,
-            attention_bias=bool(getattr(config, "attention_bias", kind == "qwen2")))
-
-
-class Linear:
-    """y = x W^T + b, in one of these forms, each giving output rows that are bitwise
-    independent of how many rows the call holds:
-    - on a CPU with AVX512-BF16 (bfloat16 activations): verispec's own kernel (kernels.cpp,
-      on AMX tiles where the CPU has them), weights packed once into tile order, bfloat16 or
-      int8 (`int8=True`: one fp32 scale per output channel, widened to bfloat16 tile by tile),
-      as fast for 16 rows as for one;
-    - bfloat16 on other CPUs: prepacked once into oneDNN's blocked layout (faster than
-      F.linear re-packing the weights every call, and nearly flat in the row count);
-    - int8 on other CPUs: torch's weight-only int8 kernel, which goes row by row (pays for
-      1-row steps, loses for wide verification passes);
-    - anything else: F.linear.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 int8: bool = False) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.weight, self.bias, self.packed, self.scales = weight, bias, None, None
-        self.tiles = None  # [ceil(N/32), K/2, 32, 2]: the AMX kernel's layout
-        self.tile_scales = torch.empty(0)  # [N] fp32 for int8 tiles
-        cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-        if int8 and not cpu_bf16:
-            raise ValueError("int8 weights need bfloat16 activations on the CPU")
-        self.kernels = kernels.load() if cpu_bf16 and weight.shape[1] % 32 == 0 else None
-        if int8:
-            scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
-            self.weight = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(
-                torch.int8)
-            self.scales = scales.to(torch.bfloat16)
-            if self.kernels is not None:
-                self.tile_scales = scales.contiguous()
-        if self.kernels is not None:
-            self.tiles = self.kernels.pack(self.weight)
-            self.bias = torch.empty(0) if bias is None else bias.float().contiguous()
-            self.weight = None
-        elif cpu_bf16 and not int8:
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-                self.weight = None  # the packed copy replaces it
-            except (RuntimeError, AttributeError):
-                self.packed = None
-        # Calls of fewer rows are padded to this many (see _fewest_rows); the kernel's rows
-        # are independent by construction, and there is no bitwise promise outside bf16.
-        self.min_rows = _fewest_rows(self) if cpu_bf16 and self.tiles is None else 1
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < self.min_rows:  # [M, K] -> [min_rows, K], zero rows after
-            padded = x.new_zeros(self.min_rows, x.shape[1])
-            padded[:x.shape[0]] = x
-            return self._product(padded)[:x.shape[0]]
-        return self._product(x)
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None:
-            return self.kernels.linear(x, self.tiles, self.bias, self.tile_scales,
-                                       self.out_features)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.scales is not None:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
-
-
-_ROWS_PROBED: dict[tuple, int] = {}
-
-
-def _fewest_rows(linear: Linear) -> int:
-    """Probe (once per kind and shape of layer): the fewest rows from which every call gives a
-    row the same bits whatever the other rows are, checked up to INVARIANT_MAX rows and at a few
-    wider batches; calls of fewer rows are then padded to it. Which kernel oneDNN picks can
-    depend on the row count: on an AMD EPYC (Zen 5) a bf16 layer with K = 1536 rounds a lone
-    row differently from 2..256 rows, which made a decode step and a verification pass disagree
-    on greedy tokens. For bf16 layers on the CPU outside verispec's kernels."""
-    kind = "packed" if linear.packed is not None else "int8" if linear.scales is not None else "F"
-    key = (kind, linear.out_features, linear.in_features, linear.bias is not None)
-    if key not in _ROWS_PROBED:
-        generator = torch.Generator().manual_seed(0)
-        widest = 64
-        x = torch.randn(widest, linear.in_features, generator=generator).to(torch.bfloat16)
-        counts = [*range(1, INVARIANT_MAX + 1), 24, 32, widest]
-        with torch.inference_mode():
-            together = linear._product(x)
-            # every row, in calls of m rows: a differing sum shows only where it crosses a
-            # bfloat16 rounding boundary, so one row is too few to see it
-            same = [all(torch.equal(linear._product(x[first:first + m]),
-                                    together[first:first + m])
-                        for first in range(0, widest - m + 1, m)) for m in counts]
-        fewest = next((counts[i] for i in range(len(counts)) if all(same[i:])), None)
-        if fewest is None or fewest > INVARIANT_MAX:
-            log.warning("native runtime: a %s layer [%d x %d] rounds rows differently with the "
-                        "row count; greedy speculative output may differ from plain decoding",
-                        kind, linear.out_features, linear.in_features)
-            fewest = 1
-        _ROWS_PROBED[key] = fewest
-    return _ROWS_PROBED[key]
-
-
-@dataclass(frozen=True, slots=True)
-class LayerWeights:
-    attn_norm: torch.Tensor  # [H], in the model's dtype
-    qkv: Linear  # H -> (nh + 2 nkv) d
-    out: Linear  # nh d -> H
-    mlp_norm: torch.Tensor  # [H]
-    gate_up: Linear  # H -> 2 I
-    down: Linear  # I -> H
-
-
-def check_taps(taps: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
-    """Tap layers name hidden states inside the stack: distinct layer counts in
-    [1, num_layers - 1] (after all num_layers layers is the feature every cache keeps)."""
-    taps = tuple(taps)
-    if any(not isinstance(tap, int) or not 0 < tap < num_layers for tap in taps) \
-            or len(set(taps)) < len(taps):
-        raise ValueError(f"taps must be distinct layer counts inside the target's "
-                         f"{num_layers} layers (1..{num_layers - 1}), got {taps}")
-    return taps
-
-
-class KVCache:
-    """One sequence's keys and values, [layers, nkv, capacity, d] each, grown by doubling, and
-    at every position the last hidden state (`features`) and, for each of `tap_layers`, the
-    hidden state after that many layers (`taps`).
-
-    Which positions are valid is the caller's business: rolling back is passing a smaller
-    `start` next time, and the stale positions are written over."""
-
-    def __init__(self, shape: LlamaShape, dtype: torch.dtype, device: torch.device,
-                 tap_layers: tuple[int, ...] = ()) -> None:
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.tap_layers = check_taps(tap_layers, shape.num_layers)
-        self.keys = self.values = None
-        self.features = None  # [capacity, H]: each position's last hidden state, before the norm
-        self.taps = None  # [capacity, n, H]: the hidden states after tap_layers, when any
-
-    def reserve(self, length: int) -> None:
-        """Room for `length` positions and the padding short passes attend over."""
-        if length > self.shape.max_positions:
-            raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
-                             f"{self.shape.max_positions}")
-        length = padded_keys(length, self.shape.max_positions)
-        capacity = 0 if self.keys is None else self.keys.shape[2]
-        if length <= capacity:
-            return
-        capacity = min(self.shape.max_positions, max(length, 2 * capacity, 256))
-        size = (self.shape.num_layers, self.shape.num_kv_heads, capacity, self.shape.head_dim)
-        self.keys = self._grown(self.keys, size)
-        self.values = self._grown(self.values, size)
-        self.features = self._grown(self.features, (capacity, self.shape.hidden_size))
-        if self.tap_layers:
-            self.taps = self._grown(self.taps, (capacity, len(self.tap_layers),
-                                                self.shape.hidden_size))
-
-    def move(self, sources: list[int], to: int) -> None:
-        """Copy the positions at slots `sources` (increasing, each >= its target) to slots
-        to, to + 1, ...: a token tree's accepted path into its place in the sequence."""
-        if not sources or sources == list(range(to, to + len(sources))):
-            return
-        at = torch.tensor(sources, device=self.device)
-        span = slice(to, to + len(sources))
-        self.keys[:, :, span], self.values[:, :, span] = self.keys[:, :, at], self.values[:, :, at]
-        self.features[span] = self.features[at]
-        if self.taps is not None:
-            self.taps[span] = self.taps[at]
-
-    def _grown(self, old: torch.Tensor | None, size: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed buffer of `size` holding `old`'s positions (the position axis is the one
-        whose length differs)."""
-        new = torch.zeros(size, dtype=self.dtype, device=self.device)
-        if old is not None:
-            new[tuple(slice(0, n) for n in old.shape)] = old
-        return new
-
-
-@dataclass(frozen=True, slots=True)
-class QueryGroup:
-    """Queries first..last-1 of a short pass, which attend over the first `keys` cached
-    positions with `mask` [group * (last - first), keys] hiding each one's future."""
-
-    first: int
-    last: int
-    keys: int
-    mask: torch.Tensor
-
-
-def padded_keys(length: int, max_positions: int) -> int:
-    """The key length a query at position length-1 attends over in a short pass."""
-    return min(-(-length // KEY_BLOCK) * KEY_BLOCK, max_positions)
-
-
-@dataclass(frozen=True, slots=True)
-class TreeLinks:
-    """A token tree in a cache: the slots from `base` on hold tree nodes, each the child of an
-    earlier slot; slot base - 1 (the last token of the sequence) is the root. A node attends
-    over slots 0..base-1 and then its ancestors and itself, in that order, so it sits at
-    position base - 1 + depth and sees exactly the keys it would see in a chain."""
-
-    base: int
-    parents: torch.Tensor  # [slots - base] long: the parent slot of slot base + j (>= base - 1)
-
-    def path(self, slot: int) -> list[int]:
-        """The slots of a node's ancestors below the root, then its own: [s_1, ..., slot]."""
-        path = []
-        while slot >= self.base:
-            path.append(slot)
-            slot = int(self.parents[slot - self.base])
-        if slot != self.base - 1:
-            raise ValueError(f"tree node's root is slot {slot}, not {self.base - 1}")
-        return path[::-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +90,7 @@ class NativeLlama:
         self.fused = self._fused_weights()
         # The PyTorch path's attention plan (unused when the C++ kernels run every layer).
         group = shape.num_heads // shape.num_kv_heads
-        self.grouped_queries = self.fused is None and _rows_are_independent(
+        self.grouped_queries = self.fused is None and rows_are_independent(
             self.dtype, self.device, shape.head_dim, group)
 
     def _fused_weights(self):
@@ -489,7 +240,8 @@ class NativeLlama:
                                   for position in row.positions(row_paths)])
         cos, sin = self.cos[positions], self.sin[positions]  # [N, d]
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-        plans = [self._plan(row.start, length) for row, length in zip(rows, lengths, strict=True)]
+        plans = [attention_plan(row.start, length, shape, self.grouped_queries)
+                 for row, length in zip(rows, lengths, strict=True)]
         for index, layer in enumerate(self.layers):
             # 1. Fused q/k/v for every position, rotary positions on q and k at once.
             qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [N, (nh + 2 nkv) d]
@@ -506,8 +258,10 @@ class NativeLlama:
                     attended.append(self._attend(q[span].transpose(0, 1), row.cache, index,
                                                  row.start, end, plan))  # [nh, T, d]
                 else:
-                    attended.append(self._attend_tree(q[span].transpose(0, 1), row, index,
-                                                      row_paths))
+                    attended.append(attend_tree(q[span].transpose(0, 1), row.cache,
+                                                row.tree.base, index, row_paths,
+                                                row.positions(row_paths),
+                                                self.grouped_queries))
                 offset += length
             attended = attended[0] if len(attended) == 1 else torch.cat(attended, dim=1)
             x = x + layer.out(attended.transpose(0, 1).reshape(total, -1))
@@ -519,144 +273,10 @@ class NativeLlama:
                     taps[:, j] = x
         return x
 
-    def _plan(self, start: int, length: int) -> list[QueryGroup] | None:
-        """How a short pass's queries attend (see the module docstring): the groups of queries
-        that share a padded key length, each with its mask; None for a prompt pass, or where
-        queries must go one by one."""
-        if length > INVARIANT_MAX or not self.grouped_queries:
-            return None
-        group = self.shape.num_heads // self.shape.num_kv_heads
-        positions = torch.arange(start, start + length, device=self.device)  # [T]
-        keys = [padded_keys(p + 1, self.shape.max_positions) for p in range(start, start + length)]
-        plan, first = [], 0
-        for last in range(1, length + 1):
-            if last == length or keys[last] != keys[first]:
-                allowed = torch.arange(keys[first], device=self.device) <= positions[first:last,
-                                                                                      None]
-                mask = allowed.expand(group, -1, -1).reshape(-1, keys[first])  # [group Tg, L]
-                plan.append(QueryGroup(first, last, keys[first], mask))
-                first = last
-        return plan
-
     def _attend(self, q: torch.Tensor, cache: KVCache, index: int, start: int, end: int,
                 plan: list[QueryGroup] | None) -> torch.Tensor:
-        """q [nh, T, d] -> [nh, T, d], causal over the cache up to `end`."""
-        keys, values = cache.keys[index], cache.values[index]  # [nkv, capacity, d]
-        heads, length, dim = q.shape
-        kv_heads = self.shape.num_kv_heads
-        group = heads // kv_heads
-        # A query's heads that share a KV head ride as `group` rows of that head: no copies of
-        # keys. 4-d inputs take the fused CPU kernel (3-d ones fall back to the unfused math
-        # path, several times slower).
-        keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, nkv, capacity, d]
-        grouped = q.view(kv_heads, group, length, dim)
-        if plan is not None:  # padded, masked, the queries of one key length together
-            return torch.cat([
-                F.scaled_dot_product_attention(
-                    grouped[:, :, part.first:part.last].reshape(1, kv_heads, -1, dim),
-                    keys[:, :, :part.keys], values[:, :, :part.keys], attn_mask=part.mask
-                ).view(heads, part.last - part.first, dim)
-                for part in plan], dim=1)
-        if length <= INVARIANT_MAX:  # one by one, each over exactly its own keys
-            return torch.cat([
-                F.scaled_dot_product_attention(
-                    grouped[None, :, :, t], keys[:, :, :start + t + 1],
-                    values[:, :, :start + t + 1]).view(heads, 1, dim)
-                for t in range(length)], dim=1)
-        # A prompt pass: one causal call over every head (4-d, so the fused flash kernel runs;
-        # a 3-d call took the unfused math path: 15 s instead of ~1 s for 1,334 positions).
-        keys = keys[:, :, :end].repeat_interleave(group, dim=1)  # [1, nh, end, d]
-        values = values[:, :, :end].repeat_interleave(group, dim=1)
-        if start == 0:
-            return F.scaled_dot_product_attention(q.unsqueeze(0), keys, values,
-                                                  is_causal=True)[0]
-        mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(start)
-        return F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask)[0]
-
-    def _attend_tree(self, q: torch.Tensor, row: RowPass, index: int, paths: list[list[int]]
-                     ) -> torch.Tensor:
-        """q [nh, T, d] -> [nh, T, d] for a tree row: each query alone, over keys laid out as
-        the chain to it would hold them (slots 0..base-1, then its path's slots), padded and
-        masked as that chain's query would be, so it gets the chain's bits."""
-        cache, base = row.cache, row.tree.base
-        heads, _, dim = q.shape
-        kv_heads = self.shape.num_kv_heads
-        out = []
-        for t, (path, position) in enumerate(zip(paths, row.positions(paths), strict=True)):
-            end = position + 1
-            plan = self._plan(position, 1)
-            keys_to = end if plan is None else plan[0].keys
-            keys, values = cache.keys[index, :, :keys_to], cache.values[index, :, :keys_to]
-            if path:  # the path's keys where the chain keeps them, after slot base - 1
-                at = torch.tensor(path, device=keys.device)
-                keys, values = keys.clone(), values.clone()
-                keys[:, base:end], values[:, base:end] = cache.keys[index][:, at], \
-                    cache.values[index][:, at]
-            grouped = q[:, t].reshape(1, kv_heads, -1, dim)  # [1, nkv, group, d]
-            mask = None if plan is None else plan[0].mask
-            out.append(F.scaled_dot_product_attention(
-                grouped, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask
-            ).view(heads, 1, dim))
-        return torch.cat(out, dim=1)
+        """q [nh, T, d] -> [nh, T, d], causal over the cache up to `end` (attention.attend)."""
+        return attend(q, cache, index, start, end, plan)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.shape.rms_norm_eps)
-
-
-def rope_tables(shape: LlamaShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_positions, d] float32: full-width tables with the sign of the rotated half
-    folded in, so that rotate(x) = x * cos + swap_halves(x) * sin."""
-    half = shape.head_dim // 2
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-    angles = torch.outer(torch.arange(shape.max_positions, dtype=torch.float64), inv_freq)
-    return (torch.cat([angles.cos(), angles.cos()], -1).float(),
-            torch.cat([-angles.sin(), angles.sin()], -1).float())
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' half-split convention, in x's dtype as transformers
-    computes it: x [..., T, heads, d], cos/sin [T, d] from `rope_tables`."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-    return torch.addcmul(x * cos.unsqueeze(1), swapped, sin.unsqueeze(1))
-
-
-def _rows_are_independent(dtype: torch.dtype, device: torch.device, head_dim: int,
-                          group: int) -> bool:
-    """Probe: does the attention kernel give each query row the same bits whether the call holds
-    it alone or with up to INVARIANT_MAX others (padded keys, masked)? Random inputs, a few
-    positions on both sides of a KEY_BLOCK boundary; a few milliseconds. (float32 on CPU fails
-    it: 11 queries of a 3-head group, 33 rows, round differently from 16.)"""
-    generator = torch.Generator().manual_seed(0)
-    kv_heads, capacity, count = 2, 3 * KEY_BLOCK, INVARIANT_MAX
-
-    def random(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(dtype=dtype, device=device)
-
-    keys, values = random(1, kv_heads, capacity, head_dim), random(1, kv_heads, capacity, head_dim)
-    with torch.inference_mode():
-        for start in (0, KEY_BLOCK - INVARIANT_MAX, KEY_BLOCK + 5):
-            queries = random(kv_heads, group, count, head_dim)
-            length = padded_keys(start + count, capacity)
-            allowed = torch.arange(length, device=device) <= torch.arange(
-                start, start + count, device=device)[:, None]  # [T, L]
-            inputs = (queries, keys[:, :, :length], values[:, :, :length], allowed)
-            together = _probe_attend(*inputs, 0, count)
-            for first in range(count):  # each query alone, and every number of rows
-                if not (torch.equal(_probe_attend(*inputs, first, first + 1),
-                                    together[:, :, first:first + 1])
-                        and torch.equal(_probe_attend(*inputs, 0, first + 1),
-                                        together[:, :, :first + 1])):
-                    return False
-    return True
-
-
-def _probe_attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  allowed: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """Queries first..last-1 of queries [nkv, group, T, d] in one call -> [nkv, group, Tg, d]."""
-    kv_heads, group, _, head_dim = queries.shape
-    mask = allowed[first:last].expand(group, -1, -1).reshape(-1, allowed.shape[1])
-    out = F.scaled_dot_product_attention(
-        queries[:, :, first:last].reshape(1, kv_heads, -1, head_dim), keys, values,
-        attn_mask=mask)
-    return out.view(kv_heads, group, last - first, head_dim)
