@@ -12,7 +12,6 @@ from verispec import verify_native
 from verispec.verify import block_verify, rejection_sample, verify_rows
 
 
-
 @pytest.fixture(autouse=True)
 def built():
     """The library, built on first use (never at collection); skipped where it cannot build."""

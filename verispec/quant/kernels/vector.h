@@ -30,12 +30,14 @@ inline Floats load_lanes(const float* p) {
 
 inline void store_lanes(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
 
+// Lanes l + 8, then l + 4, l + 2, l + 1 added onto lane l, as register shuffles (the lanes a
+// step leaves behind are never read).
 inline float lane_sum(Floats v) {
-  float a[LANES];
-  store_lanes(a, v);
-  for (int width = LANES / 2; width >= 1; width /= 2)
-    for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];
-  return a[0];
+  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  v = v + __builtin_shufflevector(v, v, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return v[0];
 }
 
 inline float lane_max(Floats v) {
