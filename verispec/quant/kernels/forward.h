@@ -29,6 +29,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -231,15 +233,23 @@ struct AttentionTask {
 };
 
 // One query head over its keys (key j at slot j below `base`, path[j - base] from it on;
-// `count` keys): out [d] = softmax(q . k_j * scale) . v_j in key order.
-inline void attend_query(const float* q, const float* keys, const float* values, int64_t d,
-                         int64_t count, int64_t base, const int64_t* path, float scale,
-                         float* scores, float* out) {
+// `count` keys): out [d] = softmax(q . k_j * scale) . v_j in key order. CHUNKS = d / 16, a
+// constant, so that the query and the output's accumulators stay in registers.
+template <int CHUNKS>
+inline void attend_query(const float* q, const float* keys, const float* values, int64_t count,
+                         int64_t base, const int64_t* path, float scale, float* scores,
+                         float* out) {
+  constexpr int64_t d = CHUNKS * LANES;
   const auto slot = [&](int64_t j) { return j < base ? j : path[j - base]; };
+  Floats query[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) query[c] = load_lanes(q + c * LANES);
   // 1. scores, and their maximum
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < count; j++) {
-    scores[j] = dot_lanes(q, keys + slot(j) * d, d) * scale;
+    const float* k = keys + slot(j) * d;
+    Floats sum = query[0] * load_lanes(k);
+    for (int c = 1; c < CHUNKS; c++) sum = sum + query[c] * load_lanes(k + c * LANES);
+    scores[j] = lane_sum(sum) * scale;
     top = scores[j] > top ? scores[j] : top;
   }
   // 2. weights e^(s - max), zero past the last key, summed lane by lane
@@ -255,15 +265,30 @@ inline void attend_query(const float* q, const float* keys, const float* values,
   }
   const Floats sum = splat(lane_sum(total));
   // 3. the weighted sum of values in key order
-  Floats acc[512 / LANES];
-  const int64_t chunks = d / LANES;
-  for (int64_t c = 0; c < chunks; c++) acc[c] = Floats{};
+  Floats acc[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) acc[c] = Floats{};
   for (int64_t j = 0; j < count; j++) {
     const float* v = values + slot(j) * d;
     const Floats w = splat(scores[j]);
-    for (int64_t c = 0; c < chunks; c++) acc[c] = acc[c] + w * load_lanes(v + c * LANES);
+    for (int c = 0; c < CHUNKS; c++) acc[c] = acc[c] + w * load_lanes(v + c * LANES);
   }
-  for (int64_t c = 0; c < chunks; c++) store_lanes(out + c * LANES, acc[c] / sum);
+  for (int c = 0; c < CHUNKS; c++) store_lanes(out + c * LANES, acc[c] / sum);
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t,
+                          const int64_t*, float, float*, float*);
+
+template <size_t... C>
+constexpr std::array<AttendFn, sizeof...(C)> attend_table(std::index_sequence<C...>) {
+  return {&attend_query<int(C) + 1>...};
+}
+
+constexpr int64_t MAX_HEAD_DIM = 256;
+
+// attend_query for head_dim d (a multiple of 16 up to MAX_HEAD_DIM), else nullptr.
+inline AttendFn attend_for(int64_t d) {
+  static constexpr auto table = attend_table(std::make_index_sequence<MAX_HEAD_DIM / LANES>{});
+  return d % LANES == 0 && d >= LANES && d <= MAX_HEAD_DIM ? table[d / LANES - 1] : nullptr;
 }
 
 // The decoder layers over every row's new positions: x [N, H] float32 is updated in place, each
@@ -276,7 +301,8 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
   const int64_t qkv_width = q_width + 2 * kv_width, group = shape.heads / shape.kv_heads;
   const int64_t num_layers = int64_t(decoder.layers.size());
-  TORCH_CHECK(d <= 512, "head_dim at most 512");
+  const AttendFn attend = attend_for(d);
+  TORCH_CHECK(attend != nullptr, "head_dim must be a multiple of 16 up to ", MAX_HEAD_DIM);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
               x.size(1) == h, "x: [N, hidden] float32");
   const size_t num_rows = pass.starts.size();
@@ -411,9 +437,9 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
           const int64_t head = a.kv_head * group + member % group;
           const int64_t depth = path_length(i);
           const int64_t base = depth ? row.tree_base : std::numeric_limits<int64_t>::max();
-          attend_query(&qkv[i * qkv_width + head * d], row.keys + at, row.values + at, d,
-                       positions[i] + 1, base, depth ? path_slots + pass.path_offsets[i] : nullptr,
-                       scale, scores.data(), &attended[i * q_width + head * d]);
+          attend(&qkv[i * qkv_width + head * d], row.keys + at, row.values + at,
+                 positions[i] + 1, base, depth ? path_slots + pass.path_offsets[i] : nullptr,
+                 scale, scores.data(), &attended[i * q_width + head * d]);
         }
       }
 #pragma omp for schedule(static)

@@ -100,7 +100,7 @@ class GGUFLlama(NativeLlama):
         self.kernels = None
         module, shape = compiled() if quant_linear.kernels() is not None else None, self.shape
         if module is None or not self.layers or shape.hidden_size % 16 \
-                or shape.intermediate_size % 16 or shape.head_dim % 16 or shape.head_dim > 512:
+                or shape.intermediate_size % 16 or shape.head_dim % 16 or shape.head_dim > 256:
             return None
         projections = [[*getattr(lin, "parts", [lin])] for layer in self.layers
                        for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
