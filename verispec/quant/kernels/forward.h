@@ -243,17 +243,26 @@ inline void attend_query(const float* q, const float* keys, const float* values,
   const auto slot = [&](int64_t j) { return j < base ? j : path[j - base]; };
   Floats query[CHUNKS];
   for (int c = 0; c < CHUNKS; c++) query[c] = load_lanes(q + c * LANES);
-  // 1. scores, and their maximum
+  // 1. scores 16 keys at a time (each one's lanes summed as lane_sum does), and their maximum
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < count; j++) {
-    const float* k = keys + slot(j) * d;
-    Floats sum = query[0] * load_lanes(k);
-    for (int c = 1; c < CHUNKS; c++) sum = sum + query[c] * load_lanes(k + c * LANES);
-    scores[j] = lane_sum(sum) * scale;
-    top = scores[j] > top ? scores[j] : top;
+  const int64_t padded = (count + LANES - 1) / LANES * LANES;
+  for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+    Floats parts[LANES];
+    const int64_t here = std::min<int64_t>(LANES, count - j0);
+    for (int64_t t = 0; t < LANES; t++) {
+      if (t >= here) {
+        parts[t] = Floats{};
+        continue;
+      }
+      const float* k = keys + slot(j0 + t) * d;
+      Floats sum = query[0] * load_lanes(k);
+      for (int c = 1; c < CHUNKS; c++) sum = sum + query[c] * load_lanes(k + c * LANES);
+      parts[t] = sum;
+    }
+    store_lanes(scores + j0, lane_sums16(parts) * scale);
+    for (int64_t t = 0; t < here; t++) top = scores[j0 + t] > top ? scores[j0 + t] : top;
   }
   // 2. weights e^(s - max), zero past the last key, summed lane by lane
-  const int64_t padded = (count + LANES - 1) / LANES * LANES;
   for (int64_t j = count; j < padded; j++) scores[j] = 0.0f;
   Floats total = Floats{};
   for (int64_t j = 0; j < padded; j += LANES) {

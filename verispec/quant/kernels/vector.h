@@ -40,6 +40,34 @@ inline float lane_sum(Floats v) {
   return v[0];
 }
 
+// Lane t = lane_sum(parts[t]) for 16 vectors at once, bit for bit: the same additions (lane
+// l + 8 onto l, then l + 4, l + 2, l + 1), each step halving the partial sums a key holds and
+// doubling the keys a register holds, so 16 sums cost 15 shuffled additions instead of 64.
+inline Floats lane_sums16(const Floats* parts) {
+  // combine(a, b): a's and b's keys side by side, each key's partial p plus partial p + W/2
+  const auto step16 = [](Floats a, Floats b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  };
+  const auto step8 = [](Floats a, Floats b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  };
+  const auto step4 = [](Floats a, Floats b) {
+    return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  };
+  const auto step2 = [](Floats a, Floats b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  };
+  Floats pairs[8], quads[4], octets[2];
+  for (int i = 0; i < 8; i++) pairs[i] = step16(parts[2 * i], parts[2 * i + 1]);
+  for (int i = 0; i < 4; i++) quads[i] = step8(pairs[2 * i], pairs[2 * i + 1]);
+  for (int i = 0; i < 2; i++) octets[i] = step4(quads[2 * i], quads[2 * i + 1]);
+  return step2(octets[0], octets[1]);
+}
+
 inline float lane_max(Floats v) {
   float a[LANES];
   store_lanes(a, v);
