@@ -136,13 +136,29 @@ def test_a_tree_node_gets_the_chain_bits(tiny_file, path):
     assert not torch.equal(logits[1], chain[1])  # a sibling is not the chain's node
 
 
-def test_speculative_greedy_equals_plain_greedy(tiny_file, path):
+@pytest.fixture(scope="module")
+def draft_file(tmp_path_factory, tiny_file):
+    """A draft model for the tiny target: the same shape and vocabulary, other random weights
+    (it proposes tokens the target often rejects)."""
+    path = tmp_path_factory.mktemp("draft") / f"draft-{tiny_file.name}"
+    hidden = 256 if "k-types" in tiny_file.name else None
+    if hidden:
+        write_tiny_gguf(path, seed=1, hidden=256, ffn=512, layer_types=K_LAYER_TYPES)
+    else:
+        write_tiny_gguf(path, seed=1)
+    return path
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft model", "hybrid"])
+def test_speculative_greedy_equals_plain_greedy(tiny_file, draft_file, path, drafter):
     prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 23, 42, 4, 8]  # repeats: n-grams propose
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     plain = SpeculativeDecoder.from_pretrained(tiny_file, draft=None, dequantize=None)
     assert "one C++ call a pass" in plain.target.describe()
     expected = plain.generate(prompt, params)
-    spec = SpeculativeDecoder.from_pretrained(tiny_file, draft="ngram", k=4, dequantize=None)
+    draft = {"ngram": "ngram", "draft model": draft_file,
+             "hybrid": f"hybrid:{draft_file}"}[drafter]
+    spec = SpeculativeDecoder.from_pretrained(tiny_file, draft=draft, k=4, dequantize=None)
     output = spec.generate(prompt, params)
     assert output.token_ids == expected.token_ids
     assert output.stats.checked > 0
