@@ -15,8 +15,11 @@
 // So a prompt pass and a verification pass give a position the same bits, and so do 1 and 2
 // threads (tests/test_quant_forward.py).
 //
-// Threads: one OpenMP region for the whole pass; each phase splits its work (rows, 16-output
-// units of the products, attention tasks) over the threads and ends at a barrier.
+// Threads: one OpenMP team for the whole pass; each phase splits its work (rows, 16-output
+// units of the products, attention tasks) statically over the threads and ends at the team's
+// own barrier, which spins briefly and then yields its core: on a busy machine a thread waiting
+// for one the OS has not scheduled gives way to it instead of spinning out its time slice
+// (OpenMP's barriers spin for long, and a pass has ~10 of them a layer).
 
 #pragma once
 
@@ -30,6 +33,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <thread>
 #include <utility>
 #include <limits>
 #include <vector>
@@ -205,18 +210,57 @@ inline void multiply_unit(const Projection& projection, const Unit& unit, const 
   }
 }
 
-// y [rows, N] = x . projection^T inside the pass's parallel region: each thread its static
-// share of the units, then a barrier.
-inline void product(const Projection& projection, const std::vector<Unit>& units,
-                    const QuantisedRows& x, int64_t rows, float* y) {
+// The threads of one pass: a thread's static share of a phase's work, and the barrier that
+// ends a phase (spin with PAUSE for a few microseconds, then yield the core while waiting).
+class Team {
+ public:
+  // Every thread of the team calls this first, with the team's size (all the same value).
+  void join(int threads) { threads_.store(threads, std::memory_order_relaxed); }
+
+  struct Member {
+    Team& team;
+    int64_t thread, threads;
+    // items first..last-1 of `count`: this thread's static share
+    std::pair<int64_t, int64_t> share(int64_t count) const {
+      return {count * thread / threads, count * (thread + 1) / threads};
+    }
+    void wait() const { team.wait(); }
+  };
+
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) ==
+        threads_.load(std::memory_order_relaxed) - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; spins++) {
+      if (spins < 2048) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  std::atomic<int> threads_{1}, arrived_{0}, generation_{0};
+};
+
+// y [rows, N] = x . projection^T inside the pass's team: each thread its static share of the
+// units, then the barrier.
+inline void product(const Team::Member& me, const Projection& projection,
+                    const std::vector<Unit>& units, const QuantisedRows& x, int64_t rows,
+                    float* y) {
   const int64_t ldy = out_features(projection);
-  const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-  const int64_t count = int64_t(units.size());
-  const int64_t first = count * thread / threads, last = count * (thread + 1) / threads;
+  const auto [first, last] = me.share(int64_t(units.size()));
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
     for (int64_t u = first; u < last; u++)
       multiply_unit(projection, units[u], x, r0, std::min(rows, r0 + ROW_BLOCK), y, ldy);
-#pragma omp barrier
+  me.wait();
 }
 
 struct Row {
@@ -405,25 +449,33 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       if (tap_layers[j] == done) std::memcpy(tap_out + (i * num_taps + j) * h, row, h * 4);
   };
 
+  Team team;
+  // attention tasks are taken in turn (rows attend over caches of different lengths): one
+  // counter a layer
+  std::vector<std::atomic<int64_t>> next_task(num_layers);
+  for (auto& counter : next_task) counter.store(0);
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
+    // the team OpenMP gave (one thread where the pass is called inside another team)
+    team.join(omp_get_num_threads());
+    const Team::Member me{team, omp_get_thread_num(), omp_get_num_threads()};
     std::vector<float> scores(scratch_size);
+    const auto [i0, i1] = me.share(n);  // this thread's positions in the per-position phases
     for (int64_t layer = 0; layer < num_layers; layer++) {
       const LayerWeights& w = decoder.layers[layer];
       const float* attn_norm = w.attn_norm.data_ptr<float>();
       const float* mlp_norm = w.mlp_norm.data_ptr<float>();
       // 1. The previous layer's residual, the attention norm, activations quantised.
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < n; i++) {
+      for (int64_t i = i0; i < i1; i++) {
         if (layer > 0) finish_layer(i, layer);
         rms_norm_row(hidden + i * h, h, attn_norm, eps, &normed[i * h]);
         by_hidden.quantise(&normed[i * h], h, i);
       }
+      me.wait();
       // 2. Fused q/k/v (rotary order, bias added).
-      product(w.qkv, units[0][layer], by_hidden, n, qkv.data());
+      product(me, w.qkv, units[0][layer], by_hidden, n, qkv.data());
       // 3. Rotary on q and k; keys and values into each row's cache.
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < n; i++) {
+      for (int64_t i = i0; i < i1; i++) {
         float* at = &qkv[i * qkv_width];
         rotate_heads(at, shape.heads + shape.kv_heads, d, cos + positions[i] * d,
                      sin + positions[i] * d);
@@ -435,9 +487,10 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
           std::memcpy(row.values + to, at + q_width + kv_width + g * d, d * 4);
         }
       }
+      me.wait();
       // 4. Attention, each query head over exactly its own keys.
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < int64_t(tasks.size()); task++) {
+      for (int64_t task = next_task[layer]++; task < int64_t(tasks.size());
+           task = next_task[layer]++) {
         const AttentionTask& a = tasks[task];
         const Row& row = rows[a.row];
         const int64_t at = (layer * shape.kv_heads + a.kv_head) * row.capacity * d;
@@ -451,29 +504,29 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
                  scale, scores.data(), &attended[i * q_width + head * d]);
         }
       }
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < n; i++) by_heads.quantise(&attended[i * q_width], q_width, i);
+      me.wait();
+      for (int64_t i = i0; i < i1; i++) by_heads.quantise(&attended[i * q_width], q_width, i);
+      me.wait();
       // 5. Output projection onto the residual stream; the MLP norm.
-      product(w.out, units[1][layer], by_heads, n, y.data());
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < n; i++) {
+      product(me, w.out, units[1][layer], by_heads, n, y.data());
+      for (int64_t i = i0; i < i1; i++) {
         float* row = hidden + i * h;
         for (int64_t k = 0; k < h; k += LANES) store_lanes(row + k, load_lanes(row + k) + load_lanes(&y[i * h + k]));
         rms_norm_row(row, h, mlp_norm, eps, &normed[i * h]);
         by_hidden.quantise(&normed[i * h], h, i);
       }
+      me.wait();
       // 6. SwiGLU MLP; its residual joins at the next layer's step 1.
-      product(w.gate_up, units[2][layer], by_hidden, n, gate_up.data());
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < n; i++) {
+      product(me, w.gate_up, units[2][layer], by_hidden, n, gate_up.data());
+      for (int64_t i = i0; i < i1; i++) {
         swiglu_row(&gate_up[i * 2 * inter], &gate_up[i * 2 * inter + inter], inter,
                    &act[i * inter]);
         by_inter.quantise(&act[i * inter], inter, i);
       }
-      product(w.down, units[3][layer], by_inter, n, y.data());
+      me.wait();
+      product(me, w.down, units[3][layer], by_inter, n, y.data());
     }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; i++) finish_layer(i, num_layers);
+    for (int64_t i = i0; i < i1; i++) finish_layer(i, num_layers);
   }
 }
 
