@@ -59,6 +59,18 @@ def tiny_gpt2(vocab_size: int, seed: int, init: float = 0.3, dtype=torch.float64
     return GPT2LMHeadModel(config).to(dtype).eval()
 
 
+@pytest.fixture(autouse=True)
+def private_cost_cache(request, tmp_path_factory, monkeypatch):
+    """Each test keeps its measured cost models in a folder of its own (created when written),
+    never in ~/.cache: no test reads what another measured, whatever the order or worker."""
+    import hashlib
+
+    name = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    folder = tmp_path_factory.getbasetemp() / "cost-cache" / name
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
     return byte_tokenizer()

@@ -251,7 +251,7 @@ def test_batch_costs_time_drafting_the_way_the_scheduler_drafts(text_pair, token
     decoder = decoder_for("hybrid", *text_pair, tokenizer, k="auto")
     for size in (2, 4):
         asked.clear()
-        decoder.batch_costs(size)
+        decoder.cost_table.measure(size)
         assert asked and set(asked) == {size <= decoder.config.tree_max_batch}
 
 

@@ -195,10 +195,10 @@ def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, t
 
 def _count_measurements(monkeypatch):
     """Spy on the decoder's cost measurements: a list of (kind, batch size) per measurement."""
-    import verispec.decoder as decoder_module
+    import verispec.cost_table as table_module
 
     measured = []
-    one_row, batch = decoder_module.measure_costs, decoder_module.measure_batch_costs
+    one_row, batch = table_module.measure_costs, table_module.measure_batch_costs
 
     def measure_costs(*args, **kwargs):
         measured.append(("one-row", 1))
@@ -208,8 +208,8 @@ def _count_measurements(monkeypatch):
         measured.append(("batch", kwargs["batch"]))
         return batch(*args, **kwargs)
 
-    monkeypatch.setattr(decoder_module, "measure_costs", measure_costs)
-    monkeypatch.setattr(decoder_module, "measure_batch_costs", measure_batch_costs)
+    monkeypatch.setattr(table_module, "measure_costs", measure_costs)
+    monkeypatch.setattr(table_module, "measure_batch_costs", measure_batch_costs)
     return measured
 
 

@@ -85,9 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench_out")
     bench.set_defaults(run=run_bench)
 
-    costs = commands.add_parser("costs", help="measure the draft/verify cost model")
+    costs = commands.add_parser(
+        "costs", help="measure the draft/verify cost model afresh (and refresh the cost cache)",
+        description="Measure the cost model that k='auto' prices rounds with, afresh, print it "
+                    "as JSON, and keep it in the cost cache ($XDG_CACHE_HOME/verispec/costs, "
+                    "default ~/.cache/verispec/costs) in place of what that held for the same "
+                    "model, draft and flags: `generate` and `serve` then read it instead of "
+                    "measuring. VERISPEC_COST_CACHE=0 leaves the cache alone.")
     add_model_args(costs)
     costs.add_argument("--k-max", type=int, default=8)
+    costs.add_argument("--max-batch", type=int, default=1,
+                       help="also measure the batch sizes up to this (those `serve "
+                            "--max-batch` prices), which `serve` otherwise measures while "
+                            "idle (default 1: the one-row model only)")
     costs.set_defaults(run=run_costs)
 
     add_distill_command(commands)
@@ -209,32 +219,37 @@ def parse_sizes(text: str | None) -> tuple[int, ...]:
 
 
 def run_costs(args: argparse.Namespace) -> int:
-    from verispec import loading
-    from verispec.costs import measure_costs
-    from verispec.drafters.base import follow_target
-    from verispec.drafters.load import load_drafter
-    from verispec.runtime import make_runner
+    from verispec import SpeculativeDecoder
+    from verispec.config import DecodeConfig
 
-    dequantize = dequantize_arg(args)
-    model, tokenizer = loading.load(args.target, dtype=args.dtype, device=args.device,
-                                    dequantize=dequantize)
-    drafter = load_drafter(args.draft, model, tokenizer, dtype=args.dtype, device=args.device,
-                           runtime=args.runtime, int8=args.int8, target_spec=args.target,
-                           tree_width=args.tree_width,
-                           sampled_tree_width=args.sampled_tree_width, dequantize=dequantize)
-    runner = make_runner(model, args.runtime, dtype=args.dtype, int8=args.int8)
-    follow_target(drafter, runner)  # a feature draft reads this runner's hidden states
-    costs = measure_costs(runner, drafter, k_max=args.k_max)
-    print(json.dumps({"runtime": type(runner).__name__, "dtype": args.dtype, "int8": args.int8,
-                      "draft": args.draft,
-                      "target_step_ms": round(costs.target_step_s * 1e3, 2),
-                      "draft_step_c": round(costs.draft_step, 4),
-                      "draft_step_c_long": None if costs.long_draft_step is None
-                      else round(costs.long_draft_step, 4),
-                      "sampling_step": round(costs.sampling_step, 4),
-                      "verify_v": [round(v, 3) for v in costs.verify],
-                      "verify_v_long": [round(v, 3) for v in costs.long_verify or ()],
-                      "contexts": list(costs.contexts)}))
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    decoder = SpeculativeDecoder.from_pretrained(
+        target=args.target, draft=args.draft, k="auto", dtype=args.dtype, device=args.device,
+        runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
+        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
+        config=DecodeConfig(auto_k_max=args.k_max))
+    models = decoder.cost_table.remeasure(args.max_batch)
+    costs = models[1]
+    report = {"runtime": type(decoder.target).__name__, "dtype": args.dtype, "int8": args.int8,
+              "draft": args.draft,
+              "target_step_ms": round(costs.target_step_s * 1e3, 2),
+              "draft_step_c": round(costs.draft_step, 4),
+              "draft_step_c_long": None if costs.long_draft_step is None
+              else round(costs.long_draft_step, 4),
+              "sampling_step": round(costs.sampling_step, 4),
+              "verify_v": [round(v, 3) for v in costs.verify],
+              "verify_v_long": [round(v, 3) for v in costs.long_verify or ()],
+              "contexts": list(costs.contexts)}
+    if args.max_batch > 1:
+        report["batches"] = {size: {"draft_step_c": round(model.draft_step, 4),
+                                    "verify_v": [round(v, 3) for v in model.verify],
+                                    "verify_v_long": [round(v, 3)
+                                                      for v in model.long_verify or ()]}
+                             for size, model in models.items() if size > 1}
+    cache = decoder.cost_table.cache_path
+    report["cached_in"] = None if cache is None else str(cache)
+    print(json.dumps(report))
     return 0
 
 

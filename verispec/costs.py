@@ -3,13 +3,15 @@
 A `CostModel` prices a round in units of one one-token target step: c, one draft token, and
 v(n), a target pass over n positions. `measure_costs` (one sequence) and `measure_batch_costs`
 (a batch, in units of a plain batched step) time the real runtime objects; the K policies
-(verispec.policy) and the round planner (verispec.planner) only read the result.
+(verispec.policy) and the round planner (verispec.planner) only read the result. Which models
+a decoder has measured, estimated or read back from disk: verispec.cost_table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +81,35 @@ class CostModel:
         return dataclasses.replace(self, verify=share(self.verify),
                                    long_verify=share(self.long_verify))
 
+    def scaled(self, factor: float) -> CostModel:
+        """An estimate of the cost model of a batch `factor` times as many rows as this one's
+        (factor >= 1), for a batch size not measured yet. A pass of `factor` times the rows
+        over n positions each feeds as many tokens as one of these rows over factor * n, and
+        costs about as much (the weights are read once either way; attention, which grows
+        with the rows instead, is the smaller part at these contexts): v'(n) = v(factor * n) /
+        v(factor), at both contexts. Past the measured positions v goes on along the mean step
+        of the curve's upper half (its last step alone may be flattened by noise and by the
+        curve being made monotone). c and a sampled row's extra are kept (a draft step grows
+        with the rows much as a target step does). Example: v(1..5) = 1.0, 1.1, 1.2, 1.3,
+        1.4, factor 4 -> v'(2) = v(8) / v(4) = 1.7 / 1.3 = 1.31."""
+        if factor < 1:
+            raise ValueError(f"a cost model scales up to more rows, not by {factor}")
+
+        def extended(curve: tuple[float, ...]) -> Callable[[float], float]:
+            plain = dataclasses.replace(self, verify=curve, long_verify=None)
+            last, mid = len(curve), (len(curve) + 1) // 2
+            slope = (curve[-1] - curve[mid - 1]) / (last - mid) if last > mid else 0.0
+            return lambda x: plain.v(x) if x <= last else curve[-1] + slope * (x - last)
+
+        def grown(curve: tuple[float, ...]) -> tuple[float, ...]:
+            v = extended(curve)
+            return tuple(max(1.0, v(factor * n) / v(factor)) for n in range(1, len(curve) + 1))
+
+        return dataclasses.replace(
+            self, verify=grown(self.verify),
+            target_step_s=self.target_step_s * extended(self.verify)(factor),
+            long_verify=None if self.long_verify is None else grown(self.long_verify))
+
     def tree(self, width: int, max_nodes: int = MAX_TREE_NODES,
              nodes: float | None = None) -> CostModel:
         """The prices of token trees `width` wide, by depth: verify[k] = v(nodes k + 1), a pass
@@ -109,13 +140,27 @@ class CostModel:
 
 
 
-def fastest(fns: list, repeats: int) -> list[float]:
+class MeasurementInterrupted(Exception):
+    """A measurement stopped because its `interrupt` asked it to (nothing is kept of it)."""
+
+
+Interrupt = Callable[[], bool] | None  # asked between two passes: True stops the measurement
+
+
+def check(interrupt: Interrupt) -> None:
+    if interrupt is not None and interrupt():
+        raise MeasurementInterrupted
+
+
+def fastest(fns: list, repeats: int, interrupt: Interrupt = None) -> list[float]:
     """The fastest of `repeats` timings of each fn, timed in interleaved rounds (fn 1, 2, ...,
     then again), so a burst of machine noise costs one sample of each, not every sample of one.
-    The minimum, not the median: noise only ever adds time."""
+    The minimum, not the median: noise only ever adds time. interrupt: asked before each
+    timing (MeasurementInterrupted when it says stop)."""
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
+            check(interrupt)
             start = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - start)
@@ -195,15 +240,21 @@ def sampled_verify_time(vocab_size: int, repeats: int) -> float:
     return max(0.0, drafted - plain)
 
 
+PREFILL_CHUNK = 64  # a batch measurement's prefill feeds one row this much at a time
+
+
 def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: int = 128,
                         repeats: int = 3, long_context: int = 1024,
-                        greedy_trees: bool = False) -> CostModel:
+                        greedy_trees: bool = False, interrupt: Interrupt = None) -> CostModel:
     """The cost model of a batch of `batch` sequences, in units of one plain batched step
     (every row one position): v(n) times a pass where every row has n positions, c one draft
     step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
     Drafter (its forks draft the rows) or None. greedy_trees: whether greedy rows draft token
     trees at this batch size (as `propose_batch` takes it): c is timed drafting the same way
-    (a tree's first step costs ~1.35x a chain's at batch 4 and 16)."""
+    (a tree's first step costs ~1.35x a chain's at batch 4 and 16). interrupt: asked between
+    any two passes (each row's prefill goes in chunks of PREFILL_CHUNK tokens), so that
+    whoever measures while a server idles is back within one pass when a request arrives
+    (MeasurementInterrupted)."""
     generator = torch.Generator().manual_seed(0)
     vocab = min(target.vocab_size, 1000)
     runners = [target.sibling() for _ in range(batch)]
@@ -211,10 +262,15 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
 
     def pass_times(length: int) -> tuple[list[float], list[torch.Tensor]]:
         histories = [torch.randint(0, vocab, (length,), generator=generator) for _ in runners]
-        batched_logits(runners, histories, [1] * batch)  # prefill, and warm up
+        for runner, history in zip(runners, histories, strict=True):  # prefill
+            for end in range(PREFILL_CHUNK, length + PREFILL_CHUNK, PREFILL_CHUNK):
+                check(interrupt)
+                runner.logits(history[:min(end, length)], 1)
+        check(interrupt)
+        batched_logits(runners, histories, [1] * batch)  # warm up (each row's last position)
         return fastest([lambda n=n: batched_logits(
             runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
-            for n in range(1, k_max + 2)], repeats), histories
+            for n in range(1, k_max + 2)], repeats, interrupt), histories
 
     long_verify = None
     if context < long_context <= target.max_positions - k_max - 1:
@@ -231,8 +287,9 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
             propose_batch(drafters, histories, [1] * batch, greedy, [None] * batch,
                           greedy_trees=greedy_trees)
 
+        check(interrupt)
         draft_step()
-        draft_s = fastest([draft_step], repeats)[0]
+        draft_s = fastest([draft_step], repeats, interrupt)[0]
     return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
                      target_step_s=pass_s[0], long_verify=long_verify,
                      contexts=(context, long_context))

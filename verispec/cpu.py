@@ -5,21 +5,42 @@ with under the defaults, follow from these."""
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 
 from verispec import kernel_build
 
+# The flags that decide which kernels run (the checks below, and AMX for the bfloat16 stack).
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "amx_tile", "amx_bf16")
+
 
 @functools.cache
-def flags() -> frozenset[str]:
+def _field(name: str) -> str | None:
+    """The first /proc/cpuinfo line's value for `name` (None where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if line.split(":", 1)[0].strip() == name:
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+@functools.cache
+def flags() -> frozenset[str]:
+    return frozenset((_field("flags") or "").split())
+
+
+def model_name() -> str:
+    """The CPU's model name, e.g. "AMD EPYC 9R14" (elsewhere: what Python knows)."""
+    return _field("model name") or platform.processor() or platform.machine()
+
+
+def kernel_flags() -> list[str]:
+    """Which of KERNEL_FLAGS this CPU has, in that order."""
+    return [flag for flag in KERNEL_FLAGS if flag in flags()]
 
 
 def has_avx2() -> bool:

@@ -12,10 +12,11 @@ from transformers import PreTrainedModel
 
 from verispec import loading
 from verispec.config import DEFAULT_TREE_WIDTH, DecodeConfig, check_tree_width
-from verispec.costs import CostModel, measure_batch_costs, measure_costs
+from verispec.cost_table import CostTable
+from verispec.costs import CostModel
 from verispec.drafters import Drafter
 from verispec.drafters.base import follow_target
-from verispec.drafters.load import load_drafter
+from verispec.drafters.load import load_drafter, resolve_draft
 from verispec.params import SamplingParams
 from verispec.policy import AdaptiveK, FixedK, HeuristicK, KPolicy, parse_k
 from verispec.runtime import RUNTIMES, Runner, make_runner
@@ -61,11 +62,15 @@ class SpeculativeDecoder:
         int8: bool = False,
         config: DecodeConfig | None = None,
         costs: CostModel | None = None,
+        model_files: Sequence[str | os.PathLike] = (),
     ) -> None:
         """runtime: "auto", "hf" or "native" (see `verispec.runtime.make_runner`, which also
         explains dtype and int8), or a runner already built for `target`, to share one between
         decoders. config: the decode loop's knobs (verispec.config.DecodeConfig). costs: the
-        one-row cost model to price rounds with instead of measuring it (`verispec costs`)."""
+        one-row cost model to price rounds with instead of measuring it (`verispec costs`).
+        model_files: the files (or folders) target and drafter were loaded from; given (as
+        from_pretrained gives them), the cost models measured are kept in the cost cache
+        under them and read back by later processes (verispec.cost_cache)."""
         k = parse_k(k)
         self.config = config or DecodeConfig()
         if isinstance(runtime, Runner):
@@ -79,40 +84,22 @@ class SpeculativeDecoder:
         self.lookup_k = k  # for requests that bring their own draft source (a prediction)
         self.chat = chat
         self.eos_ids = eos_ids(target, tokenizer)
-        # cost models by batch size (1: the one-row model), each measured on first use; one
-        # dict, so that `share_costs` shares the measured and the still unmeasured alike
-        self._cost_models: dict[int, CostModel] = {} if costs is None else {1: costs}
+        # cost models by batch size: measured on first use, estimated, or read from the cost
+        # cache (verispec.cost_table); one table, so that `share_costs` shares them all
+        self.cost_table = CostTable(self.target, drafter, self.config, model_files, costs)
 
     @property
     def costs(self) -> CostModel:
-        """The measured cost model (draft step and verification costs), measured once."""
-        if 1 not in self._cost_models:
-            costs = measure_costs(self.target, self.drafter, k_max=self.config.auto_k_max,
-                                  repeats=5)
-            log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s (after %d tokens; "
-                     "after %d: %s, c=%s), target step %.1f ms",
-                     costs.draft_step, self.config.auto_k_max + 1,
-                     " ".join(f"{v:.2f}" for v in costs.verify), costs.contexts[0],
-                     costs.contexts[1], " ".join(f"{v:.2f}" for v in costs.long_verify or ())
-                     or "-", "-" if costs.long_draft_step is None
-                     else f"{costs.long_draft_step:.3f}", costs.target_step_s * 1e3)
-            self._cost_models[1] = costs
-        return self._cost_models[1]
+        """The one-row cost model (draft step and verification costs), measured once (or read
+        from the cost cache)."""
+        return self.cost_table.one_row()
 
     def batch_costs(self, batch: int) -> CostModel:
-        """The cost model of a batch of this size (rounded up to a measured size), in units of
-        a plain batched step; measured once per size."""
-        size = self.config.cost_batch_size(batch)
-        if size == 1:
-            return self.costs
-        if size not in self._cost_models:
-            k_max = self.config.auto_k_max
-            costs = measure_batch_costs(self.target, self.drafter, batch=size, k_max=k_max,
-                                        greedy_trees=size <= self.config.tree_max_batch)
-            log.info("cost model at batch %d: c=%.3f, v(1..%d)=%s", size, costs.draft_step,
-                     k_max + 1, " ".join(f"{v:.2f}" for v in costs.verify))
-            self._cost_models[size] = costs
-        return self._cost_models[size]
+        """The cost model a batch of this size is priced with, in units of a plain batched
+        step: its size's (rounded up to a measured size) where measured, else an estimate
+        from the measured sizes below (`CostTable.prices`). Never measures a batch size
+        (`cost_table.measure(batch)` does)."""
+        return self.cost_table.prices(batch)
 
     def share_costs(self, other: SpeculativeDecoder) -> None:
         """Price rounds with `other`'s cost models from now on: the one-row model and every
@@ -121,7 +108,7 @@ class SpeculativeDecoder:
         take the same K decisions on the same acceptance history, where two measurements
         differ by the machine's drift (c 0.435 against 0.327 in one run) and move K by one.
         For decoders of the same target, runtime and kind of drafter."""
-        self._cost_models = other._cost_models
+        self.cost_table = other.cost_table
 
     def reset(self) -> None:
         """Drop the KV caches, so the next request pays its full prompt pass (benchmarks)."""
@@ -184,12 +171,16 @@ class SpeculativeDecoder:
             dequantize = "bf16"
         model, tokenizer = loading.load(target, dtype=dtype, device=device,
                                         dequantize=dequantize)
+        draft = resolve_draft(draft, target, runtime)
         drafter = load_drafter(draft, model, tokenizer, dtype=dtype, device=device,
                                runtime=runtime, int8=int8, target_spec=target,
                                tree_width=tree_width, sampled_tree_width=sampled_tree_width,
                                dequantize=dequantize)
+        files = [loading.source_path(target)]
+        if draft not in (None, "ngram"):
+            files.append(loading.source_path(draft.removeprefix("hybrid:")))
         return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
-                   int8=int8, config=config)
+                   int8=int8, config=config, model_files=files)
 
     def generate(self, prompt: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -124,6 +124,15 @@ def resolve(spec: str | os.PathLike | None) -> ModelSource:
                              "nothing is downloaded)")
 
 
+def source_path(spec: str | os.PathLike | None) -> Path:
+    """The file or folder a spec names: itself where it is a path, else what `resolve` finds
+    for it (the embedded model's file for None, a known model's file for its name)."""
+    if spec is not None and Path(spec).expanduser().exists():
+        return Path(spec).expanduser()
+    source = resolve(spec)
+    return source.folder / source.gguf_file if source.gguf_file else source.folder
+
+
 def load(spec: str | os.PathLike | None, dtype: str = "float32", device: str = "cpu",
          dequantize: str | None = "bf16") -> tuple[PreTrainedModel | GGUFModel, object | None]:
     """Load (model, tokenizer or None) from a spec understood by `resolve`. dtype "auto" loads

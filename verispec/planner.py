@@ -45,7 +45,7 @@ class RoundPlanner:
     def __init__(self, drafter, config: DecodeConfig,
                  batch_costs: Callable[[int], CostModel]) -> None:
         """drafter: the decoder's (None: plain decoding); batch_costs(n): the cost model of a
-        batch of n rows, measured on first use."""
+        batch of n rows, measured or estimated (never measured while a round waits)."""
         self.drafter, self.config, self.batch_costs = drafter, config, batch_costs
 
     def plan(self, requests: Sequence[Request]) -> RoundPlan:

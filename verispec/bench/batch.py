@@ -38,7 +38,7 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
             if decoder.k == "auto" and decoder.drafter is not None:
                 for size in decoder.config.cost_batch_sizes:
                     if size <= batch:
-                        decoder.batch_costs(size)
+                        decoder.cost_table.measure(size)
             decoder.generate(chunks[0][:batch], SamplingParams(max_new_tokens=8,
                                                                 ignore_eos=True),
                              max_batch=batch)

@@ -58,6 +58,27 @@ def load_draft_model(draft: str | os.PathLike, target: PreTrainedModel, tokenize
     return DraftModel(model)
 
 
+def resolve_draft(draft, target_spec=None, runtime: str = "auto") -> str | None:
+    """The draft a spec names, as `load_drafter` loads it: None (plain decoding), "ngram",
+    "hybrid:PATH" or the PATH (or model name) of a draft. Example: "default" for the embedded
+    target -> "hybrid:<the shipped feature draft's folder>"; on runtime "hf" -> "ngram"."""
+    if draft is None or draft == "none":
+        return None
+    if draft == "default":  # the shipped draft with lookup where the text repeats, else lookup
+        shipped = loading.default_draft(target_spec)
+        # (the shipped draft reads the target's features, which transformers' runtime lacks)
+        return "ngram" if shipped is None or runtime == "hf" else f"hybrid:{shipped}"
+    if draft == "ngram":
+        return draft
+    if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):
+        model_draft = draft.partition(":")[2] or loading.default_draft(target_spec)
+        if model_draft is None:
+            raise IncompatibleDraftError("no draft is shipped for this target: use "
+                                         "hybrid:PATH with a draft model folder")
+        return f"hybrid:{model_draft}"
+    return os.fspath(draft)
+
+
 def load_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
                  device: str = "cpu", runtime: str = "auto", int8: bool = False,
                  target_spec=None, tree_width: int = DEFAULT_TREE_WIDTH,
@@ -71,20 +92,14 @@ def load_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
     (None: its own formats, as a quantized target runs)."""
     check_tree_width(tree_width)
     check_tree_width(sampled_tree_width)
-    if draft is None or draft == "none":
+    draft = resolve_draft(draft, target_spec, runtime)
+    if draft is None:
         return None
-    if draft == "default":  # the shipped draft with lookup where the text repeats, else lookup
-        shipped = loading.default_draft(target_spec)
-        # (the shipped draft reads the target's features, which transformers' runtime lacks)
-        draft = "ngram" if shipped is None or runtime == "hf" else f"hybrid:{shipped}"
     if draft == "ngram":
         return NgramDrafter()
-    if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):
-        model_draft = draft.partition(":")[2] or loading.default_draft(target_spec)
-        if model_draft is None:
-            raise IncompatibleDraftError("no draft is shipped for this target: use "
-                                         "hybrid:PATH with a draft model folder")
-        drafter = load_drafter(str(model_draft), target, tokenizer, dtype, device, runtime, int8,
+    if draft.startswith("hybrid:"):
+        model_draft = draft.removeprefix("hybrid:")
+        drafter = load_drafter(model_draft, target, tokenizer, dtype, device, runtime, int8,
                                tree_width=tree_width, sampled_tree_width=sampled_tree_width,
                                dequantize=dequantize)
         if not isinstance(drafter, ModelDrafter | FeatureDrafter):

@@ -300,10 +300,14 @@ def serve(decoder, model_name: str, host: str = "127.0.0.1", port: int = 8000,
 
 
 def warm_up(decoder, max_batch: int) -> None:
-    """Measure the cost models that k="auto" prices rounds with, for every batch size up to
-    max_batch, before serving: no request then waits for a measurement."""
+    """Before serving, the one-row cost model that k="auto" prices rounds with: measured (a few
+    seconds) or read from the cost cache. Batch sizes are read from the cache too; those that
+    are not are priced by estimates until the engine measures them while it idles
+    (verispec.server.worker), so that a first start is ready in seconds, not minutes."""
     if decoder.k != "auto" or decoder.drafter is None:
         return
-    log.info("measuring the cost models of batches up to %d before serving", max_batch)
-    for batch in range(1, max_batch + 1):
-        decoder.batch_costs(batch)  # measured once per size class, memoised
+    _ = decoder.costs
+    missing = decoder.cost_table.unmeasured(max_batch)
+    if missing:
+        log.info("cost models of batch sizes %s: estimated until measured while idle",
+                 ", ".join(map(str, missing)))

@@ -6,6 +6,15 @@ The Scheduler is synchronous and not thread-safe, so a single thread runs it:
            2. one scheduler round over every running request
            3. hand each request's events to its asyncio queue (loop.call_soon_threadsafe)
 
+Idle, with no command waiting, it measures the cost models of the batch sizes that k="auto"
+prices and has not measured yet (nor found in the cost cache; `_measure_while_idle`), one at a
+time, smallest first. A command that arrives stops the measurement within one pass (the
+measurement asks between passes); the size is measured from the start at the next idle time.
+Rounds meanwhile price those sizes by estimates (verispec.cost_table). Measuring here, rather
+than at start or when a round first needs a size, keeps the start short and never stalls a
+round's streams for a measurement; measuring in this thread, rather than beside it, keeps one
+owner of the runtime and leaves the measurement the whole machine.
+
 HTTP handlers only `submit` token ids already checked (verispec.server.prompts tokenises them in
 a pool of its own, so a long prompt stalls no round) and `cancel`. A request counts against the
 capacity (max_batch running + max_queue waiting) from `submit` until it leaves the scheduler;
@@ -22,6 +31,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from verispec.costs import MeasurementInterrupted
 from verispec.params import SamplingParams
 from verispec.scheduler import Event, Scheduler
 
@@ -90,6 +100,8 @@ class Engine:
         self._lock = threading.Lock()
         self._outstanding = 0
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
+        # batch sizes to measure while idle (None: not asked yet; the engine thread's business)
+        self._to_measure: list[int] | None = None
 
     @property
     def outstanding(self) -> int:
@@ -128,8 +140,11 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            # 1. Commands: wait for one when idle, else take those already there.
-            commands = [self._commands.get()] if not self._scheduler.has_work else []
+            # 1. Commands: wait for one when idle (measuring meanwhile), else take those there.
+            commands = []
+            if not self._scheduler.has_work:
+                self._measure_while_idle()
+                commands.append(self._commands.get())
             while not self._commands.empty():
                 commands.append(self._commands.get_nowait())
             for command in commands:
@@ -143,6 +158,29 @@ class Engine:
             # 2.-3. One round; events go to their requests.
             if self._scheduler.has_work:
                 self._step()
+
+    def _measure_while_idle(self) -> None:
+        """Measure the batch sizes' cost models still missing while no command waits (see the
+        module docstring). A size whose measurement fails is logged and left to estimates."""
+        decoder = self.decoder
+        if decoder.k != "auto" or decoder.drafter is None:
+            return
+        if self._to_measure is None:
+            try:
+                self._to_measure = decoder.cost_table.unmeasured(self.max_batch)
+            except Exception:
+                log.exception("could not tell which cost models to measure; estimates stay")
+                self._to_measure = []
+        while self._to_measure and self._commands.empty():
+            size = self._to_measure[0]
+            try:
+                decoder.cost_table.measure(size, interrupt=lambda: not self._commands.empty())
+            except MeasurementInterrupted:
+                return
+            except Exception:
+                log.exception("measuring the cost model of batch %d failed; it stays "
+                              "estimated", size)
+            self._to_measure.pop(0)
 
     def _add(self, command: _Add) -> None:
         try:
