@@ -28,7 +28,8 @@ LAYER_TYPES = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_outpu
                "ffn_gate": Q.Q5_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0}
 BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # gguf can quantize these
 # A model of the K-types real files use most (Q4_K_M: Q4_K and Q6_K), wide enough for their
-# 256-value blocks: on an AVX512-VNNI CPU its layers run as panels of 16 rows (panels.h).
+# 256-value blocks: where the AVX2 or AVX-512 kernels run, its layers run as panels of 16 rows
+# (panels.h).
 K_LAYER_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
                  "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
 K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf only dequantizes these: random blocks
@@ -406,13 +407,32 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2, draft):
 
 def test_auto_weights_run_q4_k_m_files_as_they_are_where_panels_run(tiny_file, monkeypatch):
     """A file whose weights are mostly panel types (Q4_K_M) keeps its own bit width where the
-    kernels multiply them as panels, even beside the bfloat16 kernels; other files do not."""
+    kernels multiply them as panels (the AVX2 and AVX-512 paths), even beside the bfloat16
+    kernels; other files do not. On an AVX2-only CPU no bfloat16 kernels run, so every
+    quantized file keeps its own bit width there."""
     path, _ = tiny_file
     file = read(path)
     monkeypatch.setattr(cpu, "runs_bf16_kernels", lambda: True)
-    panels = "k-types" in path.name  # the 32-value model is mostly Q4_1 / Q5_1 / Q4_0
+    panels = "k-types" in path.name  # the 32-value model's Q5_1 (18%) has no panel layout
     monkeypatch.setattr(loading.quant_kernels, "panel_types_here",
                         lambda: loading.quant_kernels.PANEL_TYPES)
     assert loading.weights_for("auto", file=file) == (None if panels else "bf16")
+    monkeypatch.setattr(loading.quant_kernels, "panel_types_here", lambda: frozenset())
+    assert loading.weights_for("auto", file=file) == "bf16"
+    monkeypatch.setattr(cpu, "runs_bf16_kernels", lambda: False)  # an AVX2-only CPU
+    assert loading.weights_for("auto", file=file) is None
+
+
+def test_the_embedded_q4_1_model_runs_as_panels_where_panels_run(monkeypatch):
+    """SmolLM2's file (Q4_1 layers, a Q8_0 embedding) is all panel types: "auto" keeps its own
+    bit width wherever the AVX2 or AVX-512 kernels run, beside the bfloat16 kernels too."""
+    try:
+        file = read(loading.embedded_model_file())
+    except loading.ModelNotFoundError as err:
+        pytest.skip(str(err))
+    monkeypatch.setattr(cpu, "runs_bf16_kernels", lambda: True)
+    monkeypatch.setattr(loading.quant_kernels, "panel_types_here",
+                        lambda: loading.quant_kernels.PANEL_TYPES)
+    assert loading.weights_for("auto", file=file) is None
     monkeypatch.setattr(loading.quant_kernels, "panel_types_here", lambda: frozenset())
     assert loading.weights_for("auto", file=file) == "bf16"

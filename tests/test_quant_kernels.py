@@ -246,7 +246,7 @@ def test_bad_input_is_refused_with_a_clear_message():
 
 # (d) panels: weights repacked by 16 rows, multiplied 16 outputs at a time (panels.h) -----------
 
-PANEL_TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]
+PANEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 def panel_shapes(qtype) -> list[tuple[int, int]]:
@@ -255,6 +255,35 @@ def panel_shapes(qtype) -> list[tuple[int, int]]:
         return [(48, 512), (16, 256), (32, 1536)]
     return [(48, 416), (16, 32), (32, 896)]
 PANEL_PATHS = [p for p in PATHS if kernels.load(p).panel_types()]
+
+
+def panel_module(path: str, qtype):
+    """The path's module, which must list `qtype` among its panel types (pack holds only those)."""
+    module = kernels.load(path)
+    assert int(qtype) in module.panel_types(), f"{path} has no panel kernel for {qtype.name}"
+    return module
+
+
+def test_the_vector_paths_multiply_every_panel_type_as_panels():
+    """Both vector paths have a panel kernel for every type with a panel layout, the portable
+    path none; panel_types_here() says so from the CPU's flags without building."""
+    for path in PATHS:
+        expected = [] if path == "scalar" else sorted(PANEL_TYPES)
+        assert sorted(kernels.load(path).panel_types()) == expected, path
+    assert frozenset(PANEL_TYPES) == kernels.PANEL_TYPES
+    assert kernels.panel_types_here() == kernels.panel_types()
+
+
+@pytest.mark.parametrize("setting, runs", [("1", True), ("avx512", True), ("avx2", True),
+                                           ("scalar", False), ("0", False)])
+def test_panel_types_here_follow_the_kernel_setting(monkeypatch, setting, runs):
+    """Panels wherever a vector path may run on an AVX2 CPU; none on the portable path, with the
+    kernels off, or on a CPU without AVX2."""
+    monkeypatch.setenv("VERISPEC_KERNELS", setting)
+    monkeypatch.setattr(kernels.cpu, "has_avx2", lambda: True)
+    assert kernels.panel_types_here() == (kernels.PANEL_TYPES if runs else frozenset())
+    monkeypatch.setattr(kernels.cpu, "has_avx2", lambda: False)  # neither vector path runs
+    assert kernels.panel_types_here() == frozenset()
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
@@ -274,7 +303,7 @@ def test_panel_order_reference_is_within_the_activation_bound(qtype):
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
 def test_packed_products_are_the_panel_orders_bits(path, qtype):
     """Packing and the kernel together give the reference's bits, from the file's blocks."""
-    module = kernels.load(path)
+    module = panel_module(path, qtype)
     for seed, (n, k) in enumerate(panel_shapes(qtype)):
         weight = weights(qtype, n, k, seed)
         x = activations(19, k, seed)
@@ -284,10 +313,25 @@ def test_packed_products_are_the_panel_orders_bits(path, qtype):
                            bits(module.matmul_panels_reference(x, weight, int(qtype))))
 
 
+def test_panel_bits_catch_a_wrong_code():
+    """The bit comparison above fails where one code of one weight differs."""
+    if not PANEL_PATHS:
+        pytest.skip("no kernel path with panels runs on this CPU")
+    module = panel_module(PANEL_PATHS[-1], T.Q4_1)
+    weight = weights(T.Q4_1, 16, 64, 1)
+    x = activations(3, 64, 1)
+    wrong = weight.clone()
+    wrong[5, 4] ^= 1  # the first nibble byte of row 5: its element 0's code
+    assert not torch.equal(bits(module.matmul_panels(x, module.pack(wrong, int(T.Q4_1)),
+                                                     int(T.Q4_1), 64)),
+                           bits(module.matmul_panels_reference(x, weight, int(T.Q4_1))))
+
+
 @pytest.mark.skipif(not PANEL_PATHS, reason="no kernel path with panels runs on this CPU")
+@pytest.mark.parametrize("path", PANEL_PATHS)
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
-def test_a_rows_packed_output_does_not_depend_on_the_other_rows_or_threads(qtype):
-    module = kernels.load(PANEL_PATHS[0])
+def test_a_rows_packed_output_does_not_depend_on_the_other_rows_or_threads(path, qtype):
+    module = panel_module(path, qtype)
     n, k = panel_shapes(qtype)[0]
     weight = weights(qtype, n, k, 1)
     packed = module.pack(weight, int(qtype))
@@ -296,7 +340,7 @@ def test_a_rows_packed_output_does_not_depend_on_the_other_rows_or_threads(qtype
     try:
         torch.set_num_threads(2)
         together = module.matmul_panels(x, packed, int(qtype), k)  # [40, n]
-        for rows in range(1, 41):  # tiles of 16 cut them differently; 1-8 are unrolled
+        for rows in range(1, 41):  # tiles of 8 cut them differently; 1-8 are unrolled
             assert torch.equal(bits(module.matmul_panels(x[:rows], packed, int(qtype), k)),
                                bits(together[:rows])), rows
         torch.set_num_threads(1)
@@ -312,4 +356,4 @@ def test_panels_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="no panel layout"):
         kernels.pack(weights(T.Q4_K, 24, 256, 1), T.Q4_K)  # 24 rows: not whole panels
     with pytest.raises(ValueError, match="no panel layout"):
-        kernels.pack(weights(T.Q4_1, 16, 256, 1), T.Q4_1)
+        kernels.pack(weights(T.Q5_1, 16, 256, 1), T.Q5_1)

@@ -146,9 +146,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dequantize", default="auto", choices=["auto", "bf16", "none"],
                         help="a quantized GGUF model: bf16 dequantises it through transformers "
                              "(bfloat16 weights), none runs its own formats; auto (default): "
-                             "its own formats where the AVX512-VNNI kernels multiply them as "
-                             "panels (Q4_K_M files), else bf16 where the C++ bfloat16 kernels "
-                             "run (AVX512-BF16, AMX), its own formats elsewhere")
+                             "its own formats where the AVX2 or AVX-512 kernels multiply most "
+                             "of them as panels (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K), else bf16 "
+                             "where the C++ bfloat16 kernels run (AVX512-BF16, AMX), its own "
+                             "formats elsewhere")
 
 
 def run_generate(args: argparse.Namespace) -> int:

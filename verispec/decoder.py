@@ -158,10 +158,10 @@ class SpeculativeDecoder:
         sampled rows (default 1: chains; docs/token-trees.md). config: the decode loop's knobs.
         dequantize: how a quantized GGUF target (and a GGUF draft) runs under dtype "auto":
         "auto" (default: at its own bit width where the quantised kernels multiply most of it
-        as panels (AVX512-VNNI, Q4_K_M files), else dequantised to bfloat16 where the native
-        C++ bfloat16 kernels run, its own bit width elsewhere; `loading.weights_for`), None
-        (its own bit width) or "bf16" (transformers dequantises it; the native runtime keeps
-        bfloat16). Runtime "hf" and int8 run on dense weights: bf16."""
+        as panels (AVX2 or AVX-512; Q4_K_M and Q4_1 files), else dequantised to bfloat16 where
+        the native C++ bfloat16 kernels run, its own bit width elsewhere;
+        `loading.weights_for`), None (its own bit width) or "bf16" (transformers dequantises
+        it; the native runtime keeps bfloat16). Runtime "hf" and int8 run on dense weights: bf16."""
         k = parse_k(k)
         check_tree_width(tree_width)
         check_tree_width(sampled_tree_width)

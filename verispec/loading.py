@@ -3,12 +3,13 @@
 A quantized GGUF file loads, under dtype "auto", as whichever of two runs faster on this CPU
 (`weights_for`): as it is (`verispec.quant.model.GGUFModel`: the file memory-mapped, its weights
 at their own bit width, for the native runtime) where the quantised kernels multiply most of
-its weights as panels of 16 rows (AVX512-VNNI: Q4_K, Q6_K, Q5_0, Q8_0, what Q4_K_M files hold)
-or where the C++ bfloat16 kernels do not run; otherwise (other types on an AVX512-BF16 or AMX
-CPU) dequantised to bfloat16, since those kernels beat the quantised ones there. Its tokenizer
-is converted from the metadata by transformers once and cached under
-$XDG_CACHE_HOME/verispec/tokenizers (default ~/.cache/verispec), keyed by the tokenizer's
-metadata, so files that share a vocabulary share the cache.
+its weights as panels of 16 rows (the AVX2 and AVX-512 paths: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
+Q5_K, Q6_K: Q4_K_M files and the embedded Q4_1 SmolLM2) or where the C++ bfloat16 kernels do
+not run; otherwise (other types on an AVX512-BF16 or AMX CPU) dequantised to bfloat16, since
+those kernels beat the quantised ones there. Its tokenizer is converted from the metadata by
+transformers once and cached under $XDG_CACHE_HOME/verispec/tokenizers (default
+~/.cache/verispec), keyed by the tokenizer's metadata, so files that share a vocabulary share
+the cache.
 
 With dequantize="bf16" (or another dtype), a GGUF file is dequantised by transformers once
 (~14 s for SmolLM2-135M) and cached as safetensors under $XDG_CACHE_HOME/verispec/models, so

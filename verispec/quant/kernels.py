@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -54,14 +53,18 @@ RUNS_HERE = {"avx512": lambda: cpu.has_avx512_vnni(), "avx2": lambda: cpu.has_av
              "scalar": lambda: True}
 
 
-PANEL_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"))
+# The types with a panel layout (kernels/panels.h): the AVX-512 and the AVX2 path each have a
+# panel kernel for every one of them, the portable path for none.
+PANEL_TYPES = frozenset(GGMLQuantizationType[name] for name in
+                        ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
 
 def panel_types_here() -> frozenset[GGMLQuantizationType]:
     """The types the kernels will multiply as panels on this CPU, known from its flags and
-    VERISPEC_KERNELS without building anything (`panel_types()` asks the built module)."""
-    forced = os.environ.get("VERISPEC_KERNELS", "1") in ("avx2", "scalar")
-    runs = cpu.kernels_enabled() and cpu.has_avx512_vnni() and not forced
+    VERISPEC_KERNELS without building anything (`panel_types()` asks the built module):
+    PANEL_TYPES where the AVX2 or the AVX-512 path runs, none on the portable path or with the
+    kernels off."""
+    runs = kernel_build.kernel_setting().allows("avx2") and cpu.has_avx2()
     return PANEL_TYPES if runs else frozenset()
 
 
@@ -197,7 +200,7 @@ def get_rows(weight: torch.Tensor, qtype, ids: torch.Tensor) -> torch.Tensor:
 
 def panel_types() -> frozenset[int]:
     """The GGUF types the active path multiplies as panels of 16 weight rows (kernels/panels.h:
-    Q4_K, Q6_K, Q5_0 and Q8_0 on the AVX-512 path), empty elsewhere."""
+    PANEL_TYPES on the AVX-512 and AVX2 paths), empty on the portable path or with none."""
     module = _active()[1]
     return frozenset(module.panel_types()) if module is not None else frozenset()
 

@@ -9,8 +9,9 @@ dequantised rows (the embedding lookup, and the head rows a feature draft reads)
 
 Products run on `verispec.quant.kernels` (C++, int8 activations per block) where it is built,
 else in PyTorch (`verispec.quant.fallback`). Where the kernel path multiplies a type as panels
-(AVX512-VNNI: Q4_K, Q6_K, Q5_0, Q8_0), a layer repacks its weight once when it is built (a copy
-in memory the size of the file's tensor) and multiplies 16 outputs at a time. All are
+(the AVX2 and AVX-512 paths: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), a layer repacks its
+weight once when it is built (a copy in memory the size of the file's tensor) and multiplies 16
+outputs at a time. All are
 batch-invariant: a row's result does not depend on how many rows share the call.
 """
 

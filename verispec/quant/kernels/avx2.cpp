@@ -6,4 +6,4 @@
 
 vq::RowsFn vq::rows_for(int type) { return rows_table<Avx2Kernel>(type); }
 const char* vq::path_name() { return "avx2"; }
-vq::PanelFn vq::panels_for(int) { return nullptr; }
+vq::PanelFn vq::panels_for(int type) { return panel_table<Avx2PanelKernel>(type); }

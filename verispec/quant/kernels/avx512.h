@@ -206,11 +206,27 @@ struct PanelKernel {
         k.chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
     };
+    auto fifth_bits = [&](const uint8_t* p) {  // a fifth-bit register into the chunks' bit 4
+      const __m512i fifth = _mm512_loadu_si512(p), bit4 = _mm512_set1_epi8(16);
+      const __m512i moved[8] = {  // bit c of each byte to bit 4
+          _mm512_slli_epi16(fifth, 4), _mm512_slli_epi16(fifth, 3), _mm512_slli_epi16(fifth, 2),
+          _mm512_slli_epi16(fifth, 1), fifth, _mm512_srli_epi16(fifth, 1),
+          _mm512_srli_epi16(fifth, 2), _mm512_srli_epi16(fifth, 3)};
+      for (int c = 0; c < 8; c++)
+        k.chunk[c] = _mm512_or_si512(k.chunk[c], _mm512_and_si512(moved[c], bit4));
+    };
     const int64_t j = b % GROUP;
     const uint8_t* o = panel + b / (panel_block_size(T) / QK) * panel_block_bytes(T);
     k.scale = halves16(o);
-    if constexpr (T == Q4_K) {
-      nibbles(o + 320 + 256 * j);
+    if constexpr (T == Q4_0) {
+      nibbles(o + 32);
+    } else if constexpr (T == Q4_1) {
+      nibbles(o + 64);
+      k.minimum = halves16(o + 32);
+    } else if constexpr (T == Q4_K || T == Q5_K) {
+      const uint8_t* p = o + 320 + (T == Q4_K ? 256 : 320) * j;
+      nibbles(p);
+      if constexpr (T == Q5_K) fifth_bits(p + 256);
       k.scale = _mm512_mul_ps(
           k.scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(o + 64 + 16 * j))));
       const __m512 m = _mm512_mul_ps(
@@ -233,13 +249,7 @@ struct PanelKernel {
       k.sub_hi = _mm512_cvtepi8_epi32(bytes16(o + 32 + 16 * (2 * j + 1)));
     } else if constexpr (T == Q5_0) {
       nibbles(o + 32);
-      const __m512i fifth = _mm512_loadu_si512(o + 288), bit4 = _mm512_set1_epi8(16);
-      const __m512i moved[8] = {  // bit c of each byte to bit 4
-          _mm512_slli_epi16(fifth, 4), _mm512_slli_epi16(fifth, 3), _mm512_slli_epi16(fifth, 2),
-          _mm512_slli_epi16(fifth, 1), fifth, _mm512_srli_epi16(fifth, 1),
-          _mm512_srli_epi16(fifth, 2), _mm512_srli_epi16(fifth, 3)};
-      for (int c = 0; c < 8; c++)
-        k.chunk[c] = _mm512_or_si512(k.chunk[c], _mm512_and_si512(moved[c], bit4));
+      fifth_bits(o + 288);
     } else {  // Q8_0
       for (int c = 0; c < 8; c++) k.chunk[c] = _mm512_loadu_si512(o + 32 + 64 * c);
     }
@@ -250,7 +260,7 @@ struct PanelKernel {
                    int64_t r0, int64_t rows, float* out, int64_t ldy) {
     if constexpr (kRows > 0) rows = kRows;
     constexpr int kTile = kRows > 0 ? kRows : MAX_TILE;
-    constexpr bool kMins = T == Q4_K;
+    constexpr bool kMins = kPanelMins<T>;
     const int64_t nblocks = K / QK, blocks_per_row = x.padded / QK;
     __m512 acc[kTile], mac[kTile];
     for (int64_t t = 0; t < rows; t++) acc[t] = mac[t] = _mm512_setzero_ps();

@@ -107,12 +107,7 @@ torch::Tensor pack(const torch::Tensor& weight, int64_t type) {
   const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; p++) {
-      switch (type) {
-        case Q4_K: pack_panel<Q4_K>(w, row_bytes, PANEL * p, K, o + p * bytes); break;
-        case Q6_K: pack_panel<Q6_K>(w, row_bytes, PANEL * p, K, o + p * bytes); break;
-        case Q5_0: pack_panel<Q5_0>(w, row_bytes, PANEL * p, K, o + p * bytes); break;
-        default: pack_panel<Q8_0>(w, row_bytes, PANEL * p, K, o + p * bytes);
-      }
+      pack_panel_of(int(type), w, row_bytes, PANEL * p, K, o + p * bytes);
     }
   });
   return out;
@@ -157,12 +152,7 @@ torch::Tensor matmul_panels_reference(const torch::Tensor& x, const torch::Tenso
   const uint8_t* w = weight.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; n++) {
     const uint8_t* row = w + n * row_bytes;
-    switch (type) {
-      case Q4_K: reference<Q4_K>(row, K, acts, sums, 0, R, out + n, N); break;
-      case Q6_K: reference<Q6_K>(row, K, acts, sums, 0, R, out + n, N); break;
-      case Q5_0: reference<Q5_0>(row, K, acts, sums, 0, R, out + n, N); break;
-      default: reference<Q8_0>(row, K, acts, sums, 0, R, out + n, N);
-    }
+    reference_of(int(type), row, K, acts, sums, 0, R, out + n, N);
   }
   return y;
 }
@@ -203,7 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "panels.h's order in plain C++, from the file's blocks");
   m.def("panel_types", [] {
     std::vector<int64_t> types;
-    for (int t : {vq::Q4_K, vq::Q6_K, vq::Q5_0, vq::Q8_0})
+    for (int t : vq::kPanelTypes)
       if (vq::panels_for(t) != nullptr) types.push_back(t);
     return types;
   }, "the types this path multiplies as panels");

@@ -40,4 +40,13 @@ RowsFn rows_table(int type) {
   }
 }
 
+// The panel kernel's `rows` for every type with a panel layout (nullptr for the others).
+template <class Kernel>
+PanelFn panel_table(int type) {
+  PanelFn kernel = nullptr;
+  if (has_panels(type))
+    with_panel_type(type, [&](auto t) { kernel = &Kernel::template rows<decltype(t)::value>; });
+  return kernel;
+}
+
 }  // namespace vq
