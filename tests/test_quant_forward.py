@@ -181,3 +181,18 @@ def test_bad_rows_are_refused_before_the_threads_start(tiny_file, path):
     with pytest.raises(RuntimeError, match="cache too short"):
         module.forward_layers(torch.zeros(cache.keys.shape[2] + 1, llama.shape.hidden_size),
                               decoder=llama.fused, rows=rows, taps=torch.empty(0), tap_layers=[])
+
+
+def test_the_avx2_and_avx512_passes_give_the_same_bits(tiny_file, monkeypatch):
+    """Both vector paths multiply in the same orders (panels or dot.h's) and run the same float
+    operations around them (vector.h; the AVX2 attention on 256-bit halves in lane_sum's
+    order), so a prompt pass gives the same logits on either."""
+    modules = {name: kernels.load(name) for name in ("avx2", "avx512")
+               if kernels.RUNS_HERE[name]()}
+    if len(modules) < 2 or None in modules.values():
+        pytest.skip("this CPU does not run both vector paths")
+    logits = {}
+    for name, module in modules.items():
+        monkeypatch.setattr(kernels, "_active", lambda n=name, m=module: (n, m))
+        logits[name] = logits_in_passes(native(tiny_file), IDS, [len(IDS)])
+    assert torch.equal(logits["avx2"], logits["avx512"])

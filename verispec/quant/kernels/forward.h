@@ -35,6 +35,9 @@
 #include <array>
 #include <atomic>
 #include <thread>
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <utility>
 #include <limits>
 #include <vector>
@@ -276,6 +279,50 @@ struct AttentionTask {
   int64_t row, kv_head, first, last;
 };
 
+// q . k lane by lane over CHUNKS chunks of 16 (lane l: q_l k_l + q_{l+16} k_{l+16} + ..., a
+// product rounded, then added, in chunk order).
+template <int CHUNKS>
+inline Floats key_dot(const Floats* query, const float* k) {
+  Floats sum = query[0] * load_lanes(k);
+  for (int c = 1; c < CHUNKS; c++) sum = sum + query[c] * load_lanes(k + c * LANES);
+  return sum;
+}
+
+// acc[c] = sum over keys j in order of w_j * v_j's chunk c (the same rounding: a product, then
+// an addition).
+template <int CHUNKS, class Slot>
+inline void weighted_values(const float* values, int64_t count, const Slot& slot,
+                            const float* weights, Floats* acc) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // On AVX2 a 64-byte `Floats` is two registers, and GCC keeps an array of them in memory, so
+  // every key paid a store and a reload per chunk; the same operations on 256-bit halves held
+  // in registers give the same bits.
+  __m256 low[CHUNKS], high[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) low[c] = high[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j++) {
+    const float* v = values + slot(j) * CHUNKS * LANES;
+    const __m256 w = _mm256_set1_ps(weights[j]);
+    for (int c = 0; c < CHUNKS; c++) {
+      low[c] = _mm256_add_ps(low[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + c * LANES)));
+      high[c] = _mm256_add_ps(high[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + c * LANES + 8)));
+    }
+  }
+  for (int c = 0; c < CHUNKS; c++) {
+    float lanes[LANES];
+    _mm256_storeu_ps(lanes, low[c]);
+    _mm256_storeu_ps(lanes + 8, high[c]);
+    acc[c] = load_lanes(lanes);
+  }
+#else
+  for (int c = 0; c < CHUNKS; c++) acc[c] = Floats{};
+  for (int64_t j = 0; j < count; j++) {
+    const float* v = values + slot(j) * CHUNKS * LANES;
+    const Floats w = splat(weights[j]);
+    for (int c = 0; c < CHUNKS; c++) acc[c] = acc[c] + w * load_lanes(v + c * LANES);
+  }
+#endif
+}
+
 // One query head over its keys (key j at slot j below `base`, path[j - base] from it on;
 // `count` keys): out [d] = softmax(q . k_j * scale) . v_j in key order. CHUNKS = d / 16, a
 // constant, so that the query and the output's accumulators stay in registers.
@@ -290,6 +337,29 @@ inline void attend_query(const float* q, const float* keys, const float* values,
   // 1. scores 16 keys at a time (each one's lanes summed as lane_sum does), and their maximum
   float top = -std::numeric_limits<float>::infinity();
   const int64_t padded = (count + LANES - 1) / LANES * LANES;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // AVX2: each key's lanes summed on 256-bit halves in registers, in lane_sum's order
+  __m256 low[CHUNKS], high[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) {
+    low[c] = _mm256_loadu_ps(q + c * LANES);
+    high[c] = _mm256_loadu_ps(q + c * LANES + 8);
+  }
+  for (int64_t j = 0; j < count; j++) {
+    const float* k = keys + slot(j) * d;
+    __m256 sum_low = _mm256_mul_ps(low[0], _mm256_loadu_ps(k));
+    __m256 sum_high = _mm256_mul_ps(high[0], _mm256_loadu_ps(k + 8));
+    for (int c = 1; c < CHUNKS; c++) {
+      sum_low = _mm256_add_ps(sum_low, _mm256_mul_ps(low[c], _mm256_loadu_ps(k + c * LANES)));
+      sum_high =
+          _mm256_add_ps(sum_high, _mm256_mul_ps(high[c], _mm256_loadu_ps(k + c * LANES + 8)));
+    }
+    const __m256 s8 = _mm256_add_ps(sum_low, sum_high);  // lane l + 8
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    scores[j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * scale;
+    top = scores[j] > top ? scores[j] : top;
+  }
+#else
   for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
     Floats parts[LANES];
     const int64_t here = std::min<int64_t>(LANES, count - j0);
@@ -298,14 +368,12 @@ inline void attend_query(const float* q, const float* keys, const float* values,
         parts[t] = Floats{};
         continue;
       }
-      const float* k = keys + slot(j0 + t) * d;
-      Floats sum = query[0] * load_lanes(k);
-      for (int c = 1; c < CHUNKS; c++) sum = sum + query[c] * load_lanes(k + c * LANES);
-      parts[t] = sum;
+      parts[t] = key_dot<CHUNKS>(query, keys + slot(j0 + t) * d);
     }
     store_lanes(scores + j0, lane_sums16(parts) * scale);
     for (int64_t t = 0; t < here; t++) top = scores[j0 + t] > top ? scores[j0 + t] : top;
   }
+#endif
   // 2. weights e^(s - max), zero past the last key, summed lane by lane
   for (int64_t j = count; j < padded; j++) scores[j] = 0.0f;
   Floats total = Floats{};
@@ -319,12 +387,7 @@ inline void attend_query(const float* q, const float* keys, const float* values,
   const Floats sum = splat(lane_sum(total));
   // 3. the weighted sum of values in key order
   Floats acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; c++) acc[c] = Floats{};
-  for (int64_t j = 0; j < count; j++) {
-    const float* v = values + slot(j) * d;
-    const Floats w = splat(scores[j]);
-    for (int c = 0; c < CHUNKS; c++) acc[c] = acc[c] + w * load_lanes(v + c * LANES);
-  }
+  weighted_values<CHUNKS>(values, count, slot, scores, acc);
   for (int c = 0; c < CHUNKS; c++) store_lanes(out + c * LANES, acc[c] / sum);
 }
 
