@@ -311,3 +311,17 @@ def test_verify_curve_lowers_a_noise_spike_instead_of_spreading_it():
     # a spike at 2 positions (seen in a benchmark: it made every K look twice as dear)
     assert verify_curve([0.040, 0.077, 0.042, 0.044]) == pytest.approx((1.0, 1.05, 1.05, 1.1))
     assert verify_curve([0.040, 0.038, 0.050]) == pytest.approx((1.0, 1.0, 1.25))
+
+
+def test_lookup_tokens_are_not_charged_the_draft_models_step():
+    """A row whose decoder also has a dear draft model (hybrid, or a prediction beside one)
+    verifies a good lookup's tokens: only the target pass prices them."""
+    dear_draft = costs(0.6, [1.0, 1.3, 1.6, 1.9, 2.2])
+    free = costs(0.0, [1.0, 1.3, 1.6, 1.9, 2.2])
+    policy = Priced(dear_draft)
+    for _ in range(20):
+        policy.update(-3, 4, 3)  # a prediction's 3-gram matches: mostly accepted
+    assert policy.next_k() == 0  # the draft model does not pay at c = 0.6
+    assert policy.keep(-3, 4) == Priced(free, policy.estimates).keep(-3, 4) >= 2
+    # while the draft model's own tokens are still priced with its step
+    assert policy.keep(0, 4) == optimal_k(policy.gamma(0), 0.6, dear_draft.verify, 4)

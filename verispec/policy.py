@@ -15,6 +15,7 @@ step) when nothing pays.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -161,8 +162,11 @@ class AdaptiveK:
         return self._best_k(prices, self.gamma(0), width)
 
     def keep(self, prices: CostModel | None, width: int, source: int, proposed: int) -> int:
-        return min(proposed, self._best_k(_require(prices), self.gamma(source),
-                                          width if source == 0 else 1))
+        prices = _require(prices)
+        if source != 0:  # a lookup's tokens (a prediction's too) cost nothing to draft: only
+            # their place in the target pass is priced, not the row's draft-model step
+            return min(proposed, self._best_k(lookup_prices(prices), self.gamma(source), 1))
+        return min(proposed, self._best_k(prices, self.gamma(source), width))
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
@@ -204,6 +208,12 @@ class AdaptiveK:
             self.estimates[source] = AcceptanceEstimate(prior, self.config.prior_weight,
                                                         self.config.estimate_decay)
         return self.estimates[source]
+
+
+def lookup_prices(prices: CostModel) -> CostModel:
+    """prices for proposals that cost nothing to make (lookups, predictions): no draft-model
+    step (a sampled row still pays sampling_step a token for verifying it)."""
+    return dataclasses.replace(prices, draft_step=0.0, long_draft_step=None)
 
 
 def _require(prices: CostModel | None) -> CostModel:
