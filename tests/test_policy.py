@@ -321,7 +321,52 @@ def test_lookup_tokens_are_not_charged_the_draft_models_step():
     policy = Priced(dear_draft)
     for _ in range(20):
         policy.update(-3, 4, 3)  # a prediction's 3-gram matches: mostly accepted
+        policy.update(0, 1, 0)  # the draft model's tokens: rejected
     assert policy.next_k() == 0  # the draft model does not pay at c = 0.6
     assert policy.keep(-3, 4) == Priced(free, policy.estimates).keep(-3, 4) >= 2
     # while the draft model's own tokens are still priced with its step
     assert policy.keep(0, 4) == optimal_k(policy.gamma(0), 0.6, dear_draft.verify, 4)
+
+
+def test_a_source_priced_out_by_its_prior_is_probed_now_and_then():
+    """A prediction whose prior prices it out (a steep v) is still verified one token at its
+    first proposal and every probe_every rounds without evidence, so a good one is found; a
+    draft that would not pay even if always accepted is never tried."""
+    steep = costs(0.0, [1.0, 1.6, 2.2, 2.8])  # gamma 0.5 does not pay for v(2) = 1.6
+    policy = Priced(steep)
+    every = policy.config.probe_every
+    assert optimal_k(0.5, 0.0, steep.verify) == 0
+    assert policy.keep(-4, 3) == 1  # its first proposal: a probe
+    policy.update(-4, 1, 0)  # rejected
+    kept = []
+    for _ in range(3 * (every + 1)):  # a probe, then `every` rounds without evidence
+        kept.append(policy.keep(-4, 3))
+        policy.update(-4, kept[-1], 0) if kept[-1] else policy.update(0, 0, 0)
+    assert sum(kept) == 3 and all(k <= 1 for k in kept)  # one probe every probe_every rounds
+    policy = Priced(steep)
+    for _ in range(6):
+        policy.update(-4, 3, 3)  # accepted: the estimate learns it pays
+    assert policy.keep(-4, 3) == 3
+    hopeless = Priced(costs(1.0, [1.0, 2.0, 3.0, 4.0]))
+    for _ in range(3 * every):
+        assert hopeless.next_k() == 0
+        hopeless.update(0, 0, 0)
+
+
+def test_a_draft_model_far_behind_catches_up_only_where_it_pays():
+    """A draft model that has not read a long prompt (or what a prediction added) reads it
+    only where what it would save over the rest of the output pays for the reading."""
+    prices = dataclasses.replace(costs(0.3, [1.0, 1.05, 1.1, 1.15, 1.2]),
+                                 draft_catch_up_s=0.004)  # 0.08 steps a token
+    policy = AdaptiveK()
+    assert policy.catch_up_pays(prices, lag=5, remaining=1)  # a round's own lag: always
+    assert policy.catch_up_pays(prices, lag=100, remaining=256)  # a code prompt: 8 steps
+    assert not policy.catch_up_pays(prices, lag=3000, remaining=128)  # a RAG prompt: 240
+    assert not policy.catch_up_pays(prices, lag=100, remaining=10)  # nearly done
+    predicted = AdaptiveK.for_request(policy.config, predicted=True)
+    assert not predicted.catch_up_pays(prices, lag=300, remaining=256)
+    for _ in range(20):
+        predicted.update(0, 0, 0)  # rounds the prediction left to the draft model
+    assert predicted.catch_up_pays(prices, lag=300, remaining=256)
+    free = dataclasses.replace(prices, draft_catch_up_s=0.0)  # nothing measured: no limit
+    assert AdaptiveK().catch_up_pays(free, lag=3000, remaining=8)

@@ -55,6 +55,14 @@ class DecodeConfig:
     # the first round, and with nothing drafted no evidence ever raises the estimate. A weak
     # draft's estimate falls within a round or two and is retried every ~15 rounds.
     draft_prior: float = 0.8
+    # A source whose estimate prices it out (K = 0) is still tried with one token once it has
+    # gone this many rounds without evidence (and at its first proposal): its acceptance is
+    # then learnt, not assumed, at most one extra position every probe_every rounds.
+    probe_every: int = 16
+    # A draft model that lags far behind its row (a long prompt it has not read, or tokens
+    # lookups and a prediction added) catches up only where what it saves over the next
+    # catch_up_horizon tokens of output at most pays for the catching up.
+    catch_up_horizon: int = 512
     # A long prompt is fed in chunks, one a round, so a long prompt arriving in a running batch
     # delays the other rows' rounds by one chunk's pass, not its whole pass. That pass is the
     # longest wait between two of another stream's tokens, and its attention grows with the
@@ -83,6 +91,10 @@ class DecodeConfig:
             raise ValueError(f"draft_prior must be in (0, 1), got {self.draft_prior}")
         if self.prior_weight <= 0.0:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.catch_up_horizon < 1:
+            raise ValueError(f"catch_up_horizon must be >= 1, got {self.catch_up_horizon}")
         if self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16, got {self.prefill_chunk}")
         if self.prefill_knee < 1:

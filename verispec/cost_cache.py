@@ -160,7 +160,8 @@ def from_json(data: dict) -> CostModel:
                      long_verify=curve(data.get("long_verify")),
                      contexts=tuple(int(c) for c in data.get("contexts", (128, 1024))),
                      long_draft_step=None if optional is None else float(optional),
-                     sampling_step=float(data.get("sampling_step", 0.0)))
+                     sampling_step=float(data.get("sampling_step", 0.0)),
+                     draft_catch_up_s=float(data.get("draft_catch_up_s", 0.0)))
 
 
 class CostCache:

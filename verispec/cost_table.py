@@ -19,6 +19,7 @@ laptop (every row's prefill after 1024 tokens dominates). So:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -59,11 +60,11 @@ class CostTable:
                                   context=CONTEXTS[0], long_context=CONTEXTS[1],
                                   repeats=REPEATS)
             log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s (after %d tokens; "
-                     "after %d: %s, c=%s), target step %.1f ms",
+                     "after %d: %s, c=%s), target step %.1f ms, draft catch-up %.2f ms a token",
                      costs.draft_step, len(costs.verify), _curve(costs.verify),
                      costs.contexts[0], costs.contexts[1], _curve(costs.long_verify) or "-",
                      "-" if costs.long_draft_step is None else f"{costs.long_draft_step:.3f}",
-                     costs.target_step_s * 1e3)
+                     costs.target_step_s * 1e3, costs.draft_catch_up_s * 1e3)
             self._keep(1, costs)
         return self._models[1]
 
@@ -96,6 +97,10 @@ class CostTable:
                                         repeats=BATCH_REPEATS,
                                         greedy_trees=size <= self.config.tree_max_batch,
                                         interrupt=interrupt)
+            # a lagging row catches up in the batch's draft passes, in about the seconds it
+            # takes alone
+            costs = dataclasses.replace(costs,
+                                        draft_catch_up_s=self.one_row().draft_catch_up_s)
             log.info("cost model at batch %d: c=%.3f, v(1..%d)=%s", size, costs.draft_step,
                      k_max + 1, _curve(costs.verify))
             self._keep(size, costs)

@@ -43,6 +43,14 @@ class CostModel:
     # drawing from its distribution, and verification warping the target's distribution at one
     # more position and the rejection step over it (`sampled`).
     sampling_step: float = 0.0
+    # Seconds the drafter takes per token it has not read yet (a prompt, or the tokens that
+    # lookups and predictions added while it waited), in its own prompt-sized passes: what a
+    # draft model that lags far behind pays before it can propose (`catch_up`). 0: nothing.
+    draft_catch_up_s: float = 0.0
+
+    def catch_up(self, tokens: int) -> float:
+        """What catching the drafter up on `tokens` unread tokens costs, in target steps."""
+        return tokens * self.draft_catch_up_s / self.target_step_s
 
     def at(self, context: int) -> CostModel:
         """The prices for a sequence of `context` tokens: v(n) (and c, where timed at both)
@@ -207,6 +215,20 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
                 lambda: drafter.propose(history, 1, params, rng)]
         return fastest(step, repeats)[0]
 
+    def catch_up_time(history: torch.Tensor) -> float:
+        """Seconds a drafter with an empty cache takes per history token before it proposes
+        (one proposal of a token after it, less a draft step; the faster of two)."""
+        if drafter is None:
+            return 0.0
+        params = SamplingParams()
+        times = []
+        for _ in range(2):
+            drafter.reset()
+            start = time.perf_counter()
+            drafter.propose(history, 1, params, None)
+            times.append(time.perf_counter() - start)
+        return max(0.0, min(times) - draft_s) / int(history.numel())
+
     long_verify = long_draft = None
     if context < long_context <= target.max_positions - k_max - 1:
         long_s, long_history = pass_times(long_context)
@@ -219,7 +241,8 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
                      target_step_s=pass_s[0], long_verify=long_verify,
                      contexts=(context, long_context), long_draft_step=long_draft,
                      sampling_step=(sampled_s + sampled_verify_time(
-                         target.vocab_size, repeats)) / pass_s[0])
+                         target.vocab_size, repeats)) / pass_s[0],
+                     draft_catch_up_s=catch_up_time(history))
 
 
 def sampled_verify_time(vocab_size: int, repeats: int) -> float:

@@ -124,7 +124,8 @@ class SpeculativeDecoder:
         if k == "auto":
             _ = self.costs  # measured once, before any request is timed
             params = params or SamplingParams()
-            return AdaptiveK(self.config, sampling=not params.greedy)
+            return AdaptiveK.for_request(self.config, sampling=not params.greedy,
+                                         predicted=predicted)
         if k == "heuristic":
             return HeuristicK(k=self.config.heuristic_start_k)
         return FixedK(k)

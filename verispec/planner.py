@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
 from verispec.costs import CostModel
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, unread
 from verispec.drafters.hybrid import tree_width_of
 from verispec.policy import AdaptiveK
 from verispec.request import Request
@@ -68,12 +68,29 @@ class RoundPlanner:
                   for r, width in zip(requests, widths, strict=True)]
         else:
             ks = [self._batch_k(requests, widths, batch_prices)] * rows
+        #    A draft model far behind its row (a long prompt, or what a lookup or prediction
+        #    added while it waited) drafts only where what it saves pays for catching up.
+        if row_prices is not None:
+            ks = [k if k == 0 or self.catch_up_pays(r, unread(r.drafter, r.history), row_prices)
+                  else 0 for r, k in zip(requests, ks, strict=True)]
         # 2. Lookups: as many as a lookup may propose; keep() cuts them by kind.
         free_ks = [r.policy.next_k(row_prices, width, free=True)
                    for r, width in zip(requests, widths, strict=True)]
         plans = tuple(RowPlan(r.draft_budget(k), r.draft_budget(free_k), width, row_prices)
                       for r, k, free_k, width in zip(requests, ks, free_ks, widths, strict=True))
         return RoundPlan(plans, greedy_trees, batch_prices)
+
+    def catch_up_pays(self, request: Request, lag: int, prices: CostModel | None = None
+                      ) -> bool:
+        """Whether the row's draft model should read the `lag` tokens it is behind (priced by
+        the row's policy: `AdaptiveK.catch_up_pays`, at a row's share of the batch's prices
+        where given, else alone at the row's context). Unpriced rows always catch up."""
+        if getattr(request.drafter, "unread", None) is None or \
+                not isinstance(request.policy, AdaptiveK):
+            return True  # no draft model to catch up (a feature draft reads as it goes)
+        if prices is None:
+            prices = self.batch_costs(1).at(request.context)
+        return request.policy.catch_up_pays(prices, lag, request.budget - request.generated)
 
     def lookup_keep(self, request: Request, row: RowPlan) -> Callable[[Draft], int]:
         """How many of a lookup's tokens the row would verify (propose_batch asks, to let a

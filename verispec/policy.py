@@ -23,7 +23,7 @@ import torch
 
 from verispec.config import MAX_TREE_NODES, DecodeConfig
 from verispec.costs import CostModel
-from verispec.theory import optimal_k
+from verispec.theory import expected_speedup, optimal_k
 
 
 class KPolicy(Protocol):
@@ -113,6 +113,7 @@ class AcceptanceEstimate:
     decay: float = 0.85
     accepted_w: float = 0.0
     checked_w: float = 0.0
+    idle: int = 0  # rounds since the last evidence (`AdaptiveK`'s probes)
 
     @property
     def gamma(self) -> float:
@@ -122,6 +123,7 @@ class AcceptanceEstimate:
     def update(self, num_checked: int, num_accepted: int) -> None:
         self.accepted_w = self.decay * self.accepted_w + num_accepted
         self.checked_w = self.decay * self.checked_w + num_checked
+        self.idle = 0 if num_checked else self.idle + 1
 
 
 @dataclass(slots=True)
@@ -151,6 +153,22 @@ class AdaptiveK:
     # chain: 1), so where a wide pass is dear drafting still pays as a narrow tree.
     sampling: bool = False
     kept: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior=1.0))
+    # The share of rounds the draft model drafts in (no lookup or prediction proposed): how
+    # much of the output a draft model that lags behind would speed up once it has caught up
+    # (`catch_up_pays`). A row with a prediction starts low: the prediction is expected to
+    # propose most of its rounds.
+    model_rounds: AcceptanceEstimate = field(
+        default_factory=lambda: AcceptanceEstimate(prior=1.0))
+
+    @classmethod
+    def for_request(cls, config: DecodeConfig, sampling: bool = False,
+                    predicted: bool = False) -> AdaptiveK:
+        """A request's policy; predicted: it brings a prediction, expected to propose most of
+        its rounds (a quarter left to its draft model, until its rounds say otherwise)."""
+        policy = cls(config, sampling=sampling)
+        if predicted:
+            policy.model_rounds = AcceptanceEstimate(prior=0.25)
+        return policy
 
     def gamma(self, source: int = 0) -> float:
         return self._estimate(source).gamma
@@ -159,17 +177,43 @@ class AdaptiveK:
         prices = _require(prices)
         if free or prices.draft_step < self.config.cheap_draft:  # lookups: priced in keep()
             return prices.k_max
-        return self._best_k(prices, self.gamma(0), width)
+        best = self._best_k(prices, self.gamma(0), width)
+        return self._probed(0, best, best or self._best_k(prices, SURE, width) > 0)
 
     def keep(self, prices: CostModel | None, width: int, source: int, proposed: int) -> int:
         prices = _require(prices)
         if source != 0:  # a lookup's tokens (a prediction's too) cost nothing to draft: only
             # their place in the target pass is priced, not the row's draft-model step
-            return min(proposed, self._best_k(lookup_prices(prices), self.gamma(source), 1))
-        return min(proposed, self._best_k(prices, self.gamma(source), width))
+            prices, width = lookup_prices(prices), 1
+        best = self._best_k(prices, self.gamma(source), width)
+        return min(proposed, self._probed(
+            source, best, best or self._best_k(prices, SURE, width) > 0))
 
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
+        for other, estimate in self.estimates.items():
+            if other != source:
+                estimate.idle += 1
         self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
+        self.model_rounds.update(1, int(source == 0))
+
+    def catch_up_pays(self, prices: CostModel | None, lag: int, remaining: int) -> bool:
+        """Whether a draft model `lag` tokens behind the row (a prompt it has not read, or what
+        lookups and a prediction added while it waited) should read them and draft this round:
+        what it would save over the rest of the output (`remaining` tokens, at most
+        config.catch_up_horizon, in the share of rounds it drafts in, at the speedup of its best
+        K) beats what the catching up costs (`CostModel.catch_up`). A lag a round's own draft
+        step absorbs (up to k_max + 1 tokens) is never in question."""
+        prices = _require(prices)
+        if lag <= prices.k_max + 1 or prices.draft_catch_up_s <= 0.0:
+            return True
+        gamma = self.gamma(0)
+        k = self._best_k(prices, gamma, 1)
+        if k == 0:
+            return False
+        rate = expected_speedup(gamma, k, prices.draft_step, prices.v(k + 1))
+        horizon = min(remaining, self.config.catch_up_horizon)
+        saved = self.model_rounds.gamma * horizon * (1.0 - 1.0 / rate)
+        return saved > prices.catch_up(lag)
 
     def tree_size(self, prices: CostModel | None, scores: torch.Tensor, depth: int = 1) -> int:
         """The n maximising (1 + a * sum of the n likeliest tokens' probabilities) / v(n + 1):
@@ -202,12 +246,28 @@ class AdaptiveK:
         prices = self.tree_costs(prices.sampled() if self.sampling else prices, width)
         return optimal_k(gamma, prices.draft_step, prices.verify, prices.k_max)
 
+    def _probed(self, source: int, k: int, pays_when_accepted: bool) -> int:
+        """k, or one token where k is 0 and the source has gone config.probe_every rounds
+        without evidence: a source its prior prices out is still tried now and then (its
+        first proposal at once), so its acceptance is learnt rather than assumed; never one
+        that would not pay even if always accepted. A probe costs at most one extra position
+        (and draft step) every probe_every rounds."""
+        if k == 0 and pays_when_accepted and \
+                self._estimate(source).idle >= self.config.probe_every:
+            return 1
+        return k
+
     def _estimate(self, source: int) -> AcceptanceEstimate:
         if source not in self.estimates:  # source 0: the draft model's; others: lookups'
             prior = self.config.draft_prior if source == 0 else 0.5
             self.estimates[source] = AcceptanceEstimate(prior, self.config.prior_weight,
-                                                        self.config.estimate_decay)
+                                                        self.config.estimate_decay,
+                                                        idle=self.config.probe_every)
         return self.estimates[source]
+
+
+# The acceptance a probe is priced at: a source that would not pay even at this is never tried.
+SURE = 0.99
 
 
 def lookup_prices(prices: CostModel) -> CostModel:

@@ -205,8 +205,10 @@ class Scheduler:
                                 [rd.num_logits for rd in rounds], [rd.parents for rd in rounds])
         # 4. Rows feeding their prompt: their drafters read the chunk the target just took (a
         #    feature draft needs its features), not the whole prompt at their first proposal.
+        #    (Only where the draft model will pay for reading the whole prompt.)
         for request in prefilling:
-            catch_up(request.drafter, request.history[: request.prompt_fed + 1])
+            if self.planner.catch_up_pays(request, request.context):
+                catch_up(request.drafter, request.history[: request.prompt_fed + 1])
         # 5. Verify every decoding row.
         return verify_round(decoding, rounds[: len(decoding)], logits[: len(decoding)])
 

@@ -121,3 +121,11 @@ def catch_up(drafter: Drafter | None, prefix_ids: torch.Tensor) -> None:
     read = getattr(drafter, "catch_up", None)
     if read is not None:
         read(prefix_ids)
+
+
+def unread(drafter: Drafter | None, history: torch.Tensor) -> int:
+    """Tokens of history [L] a drafter with state has not read yet (one with `unread`: a draft
+    model's KV cache), which it reads before its next proposal; 0 for lookups and for drafters
+    that read the target's features as it goes."""
+    count = getattr(drafter, "unread", None)
+    return 0 if count is None else count(history)

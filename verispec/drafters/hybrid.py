@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, catch_up, follow_target
+from verispec.drafters.base import Draft, catch_up, follow_target, unread
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
@@ -38,6 +38,10 @@ class HybridDrafter:
     def catch_up(self, prefix_ids: torch.Tensor) -> None:
         """The draft model reads the prompt so far (the lookup keeps no state)."""
         catch_up(self.model, prefix_ids)
+
+    def unread(self, history: torch.Tensor) -> int:
+        """What the draft model has not read of history [L] (verispec.drafters.base.unread)."""
+        return unread(self.model, history)
 
     def reset(self) -> None:
         self.model.reset()

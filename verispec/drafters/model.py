@@ -50,6 +50,10 @@ class ModelDrafter:
         if common_prefix(self.runner.cached_ids, prefix_ids) < prefix_ids.numel():
             self.runner.logits(prefix_ids, 1)
 
+    def unread(self, history: torch.Tensor) -> int:
+        """Tokens of history [L] not in the draft's cache: its next proposal feeds them."""
+        return int(history.numel()) - common_prefix(self.runner.cached_ids, history)
+
     def fork(self) -> ModelDrafter:
         """A drafter for another sequence: same weights, its own cache."""
         return ModelDrafter(self.runner.sibling(), self.target_vocab_size, self.head_token_ids)
