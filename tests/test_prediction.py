@@ -25,6 +25,24 @@ def test_the_lookup_proposes_the_predictions_continuation():
     assert lookup.propose(torch.tensor([1, 2, 5, 6]), 5).tokens.tolist() == [7, 8]  # its end
 
 
+def test_the_lookup_follows_a_file_that_repeats_itself_in_order():
+    """Where the output's n-gram occurs more than once in the prediction, the occurrence
+    nearest after where the output last copied from is followed; after the output departs
+    (a changed line) and comes back, the proposals pick the prediction up again."""
+    line, other = [7, 8, 9], [4, 4]
+    prediction = torch.tensor(line + [1] + line + [2] + line + [3])  # three repeated lines
+    lookup = PredictionLookup(1, prediction)
+    assert lookup.propose(torch.tensor([0]), 3).tokens.tolist() == [7, 8, 9]  # its start
+    assert lookup.propose(torch.tensor([0] + line + [1] + line), 1).tokens.tolist() == [2]
+    assert lookup.propose(torch.tensor([0] + line + [1] + line + [2] + line), 1
+                          ).tokens.tolist() == [3]  # not [1] or [2]: in order
+    lookup = PredictionLookup(1, prediction)
+    departed = [0] + line + [1] + other + [5]  # the second line rewritten
+    assert len(lookup.propose(torch.tensor(departed), 3)) == 0
+    back = departed + [2, 7]  # back on the prediction's text: [5, 2, 7] -> [2, 7] matches
+    assert lookup.propose(torch.tensor(back), 2).tokens.tolist() == [8, 9]
+
+
 @pytest.mark.parametrize("kind", ["matching", "partly", "unrelated"])
 def test_greedy_output_is_the_same_with_any_prediction(text_target, tokenizer, kind):
     """Predictions as ids (a random model's text need not be valid UTF-8, and would not
