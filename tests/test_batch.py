@@ -15,7 +15,9 @@ from verispec import SamplingParams, SpeculativeDecoder
 from verispec import scheduler as scheduler_module
 from verispec.costs import CostModel
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from verispec.drafters.base import ChainCut
 from verispec.drafters.batch import propose_batch
+from verispec.drafters.model import propose_together
 from verispec.runtime import make_runner
 from verispec.runtime.native import NativeLlama, NativeRunner
 from verispec.runtime.native.llama import RowPass
@@ -272,3 +274,25 @@ def test_a_batch_verifies_only_the_lookup_tokens_that_pay_for_every_row(text_pai
         assert [o.token_ids for o in together] == alone
         checked[name] = sum(o.stats.checked for o in together)
     assert checked["dear"] == 0 < checked["free"]
+
+
+def test_a_draft_chain_stops_where_the_drafters_confidence_no_longer_pays(text_pair):
+    """ChainCut: at free verification a cut chain is the uncut one; where each position is
+    dear, a chain the drafter is unsure of is cut to a prefix of it; the cut's rule on its
+    docstring's example."""
+    cut = ChainCut(0.1, (1.0, 1.1, 1.2))
+    assert cut.keeps([0.9]) and not cut.keeps([0.9, 0.045])
+    _, draft = text_pair
+    history = torch.tensor([5, 6, 7, 8])
+    greedy = [SamplingParams(temperature=0.0)]
+
+    def chain(row_cut):
+        drafter = ModelDrafter(draft, draft.config.vocab_size)
+        return propose_together([drafter], [history], [4], greedy, [None],
+                                cuts=[row_cut])[0].tokens.tolist()
+
+    uncut = chain(None)
+    assert len(uncut) == 4
+    assert chain(ChainCut(0.0, (1.0,) * 6)) == uncut
+    dear = chain(ChainCut(0.05, (1.0, 1.2, 1.4, 1.6, 1.8)))
+    assert dear == uncut[:len(dear)] and len(dear) < len(uncut)

@@ -239,6 +239,7 @@ def run_costs(args: argparse.Namespace) -> int:
               "draft_step_c_long": None if costs.long_draft_step is None
               else round(costs.long_draft_step, 4),
               "sampling_step": round(costs.sampling_step, 4),
+              "draft_catch_up_ms_per_token": round(costs.draft_catch_up_s * 1e3, 3),
               "verify_v": [round(v, 3) for v in costs.verify],
               "verify_v_long": [round(v, 3) for v in costs.long_verify or ()],
               "contexts": list(costs.contexts)}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
 from verispec.costs import CostModel
-from verispec.drafters.base import Draft, unread
+from verispec.drafters.base import ChainCut, Draft, unread
 from verispec.drafters.hybrid import tree_width_of
 from verispec.policy import AdaptiveK
 from verispec.request import Request
@@ -32,6 +32,7 @@ class RowPlan:
     free_k: int  # lookup tokens to ask for
     width: int  # the width of the trees its draft model proposes (1: chains)
     prices: CostModel | None  # its share of the pass at the batch's context; None: unpriced
+    cut: ChainCut | None = None  # where its greedy draft-model chain may stop early
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,12 @@ class RoundPlanner:
         # 2. Lookups: as many as a lookup may propose; keep() cuts them by kind.
         free_ks = [r.policy.next_k(row_prices, width, free=True)
                    for r, width in zip(requests, widths, strict=True)]
-        plans = tuple(RowPlan(r.draft_budget(k), r.draft_budget(free_k), width, row_prices)
+        # 3. A greedy chain stops early where the drafter's own confidence no longer pays at
+        #    the row's prices.
+        cut = None if row_prices is None else ChainCut(row_prices.draft_step,
+                                                       row_prices.verify)
+        plans = tuple(RowPlan(r.draft_budget(k), r.draft_budget(free_k), width, row_prices,
+                              cut if r.params.greedy and width == 1 else None)
                       for r, k, free_k, width in zip(requests, ks, free_ks, widths, strict=True))
         return RoundPlan(plans, greedy_trees, batch_prices)
 

@@ -193,7 +193,7 @@ class Scheduler:
             [0 if len(p) else row.k for p, row in zip(predicted, plan.rows, strict=True)],
             [r.params for r in decoding], [r.generator for r in decoding],
             [0 if len(p) else row.free_k for p, row in zip(predicted, plan.rows, strict=True)],
-            keeps, greedy_trees=plan.greedy_trees)
+            keeps, greedy_trees=plan.greedy_trees, cuts=[row.cut for row in plan.rows])
         drafts = [p if len(p) else d for p, d in zip(predicted, drafts, strict=True)]
         drafts = self.planner.keep(decoding, drafts, plan)
         rounds = [Round(d, torch.cat([r.history, d.tokens]), len(d) + 1)
@@ -365,6 +365,7 @@ def verify_round(requests: list[Request], rounds: list[Round], logits: list[torc
         if draft.scores is not None:
             request.policy.update_tree(float(draft.scores.exp().sum()), result.accepted)
         request.policy.update(draft.source, draft.depth, result.accepted)
+        request.stats.record_source(draft.source, draft.depth, result.accepted)
         if is_prediction(draft.source):
             request.stats.accepted_prediction_tokens += result.accepted
     return verified

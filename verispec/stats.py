@@ -40,6 +40,9 @@ class GenerationStats:
     # drafts (the rest: rejected_prediction_tokens, as OpenAI counts them)
     prediction_tokens: int = 0
     accepted_prediction_tokens: int = 0
+    # By kind of proposal ("model", "lookup", "prediction"): the rounds it drafted, its tokens
+    # verified (a tree: its depth) and accepted
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def rejected_prediction_tokens(self) -> int:
@@ -64,6 +67,18 @@ class StatsRecorder:
     rounds_by_draft_length: dict[int, int] = field(default_factory=dict)
     position_checked: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def record_source(self, source: int, num_drafted: int, num_accepted: int) -> None:
+        """A verified draft's kind (Draft.source: 0 a draft model, > 0 a lookup, < 0 a
+        prediction) and its counts."""
+        if not num_drafted:
+            return
+        kind = "model" if source == 0 else "lookup" if source > 0 else "prediction"
+        counts = self.sources.setdefault(kind, {"rounds": 0, "drafted": 0, "accepted": 0})
+        counts["rounds"] += 1
+        counts["drafted"] += num_drafted
+        counts["accepted"] += num_accepted
 
     def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         """One verification round: num_drafted proposed, num_accepted passed, num_emitted kept
@@ -113,4 +128,5 @@ class StatsRecorder:
             prediction_tokens=self.prediction_tokens,
             accepted_prediction_tokens=min(self.accepted_prediction_tokens,
                                            self.prediction_tokens),
+            sources={kind: dict(counts) for kind, counts in self.sources.items()},
         )

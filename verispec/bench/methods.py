@@ -34,6 +34,8 @@ class MethodRun:
     decode_tokens_per_s: float | None = None  # a peer's own decode-only rate (llama.cpp's)
     accepted_prediction: int | None = None  # Predicted Outputs' counts, where a prediction ran
     rejected_prediction: int | None = None
+    ttft_s: float | None = None  # verispec's: its first token's time (the prompt's pass)
+    sources: dict | None = None  # verispec's: GenerationStats.sources
 
 
 class VerispecMethod:
@@ -66,7 +68,8 @@ class VerispecMethod:
                          accepted_prediction=stats.accepted_prediction_tokens
                          if prediction is not None else None,
                          rejected_prediction=stats.rejected_prediction_tokens
-                         if prediction is not None else None)
+                         if prediction is not None else None,
+                         ttft_s=stats.ttft_s, sources=stats.sources)
 
 
 class HFMethod:

@@ -73,11 +73,34 @@ def metrics(rows: list[dict], reference_rows: list[dict]) -> dict:
         result["mean_k"] = (sum(r["mean_k"] * r["target_forwards"] for r in checked_rows)
                             / forwards if forwards else None)
         result["per_position_acceptance"] = pooled_positions(checked_rows)
+    decode_rate = _decode_rate(rows)
+    if decode_rate is not None:  # after the first token: what drafting changes
+        result["decode_tokens_per_s"] = decode_rate
+        reference_rate = _decode_rate(reference_rows)
+        result["decode_speedup"] = decode_rate / reference_rate if reference_rate else None
+    sources: dict[str, dict[str, int]] = {}
+    for r in rows:
+        for kind, counts in (r.get("sources") or {}).items():
+            pooled = sources.setdefault(kind, {"rounds": 0, "drafted": 0, "accepted": 0})
+            for name in pooled:
+                pooled[name] += counts[name]
+    if sources:
+        result["sources"] = sources
     predicted = [r for r in rows if r.get("accepted_prediction") is not None]
     if predicted:
         result["accepted_prediction_tokens"] = sum(r["accepted_prediction"] for r in predicted)
         result["rejected_prediction_tokens"] = sum(r["rejected_prediction"] for r in predicted)
     return result
+
+
+def _decode_rate(rows: list[dict]) -> float | None:
+    """Tokens a second after each prompt's first token (rows that timed it), pooled."""
+    timed = [r for r in rows if r.get("ttft_s") is not None]
+    if not timed or len(timed) < len(rows):
+        return None
+    seconds = sum(r["wall_s"] - r["ttft_s"] for r in timed)
+    tokens = sum(max(0, r["new_tokens"] - 1) for r in timed)
+    return tokens / seconds if seconds > 0 else None
 
 
 def expected_at(row: dict, gamma: float) -> float:
@@ -146,6 +169,23 @@ def render_markdown(results: dict) -> str:
             f"{_fmt(o['median_speedup'])} | {_fmt(o['acceptance_rate'])} | "
             f"{_fmt(o['tokens_per_forward'])} | {_fmt(o['expected_tokens'])} | "
             f"{_fmt(o['mean_k'], '.1f')} | {entry.get('greedy_equal_to_baseline', '–')} |")
+    decoded = {name: e["overall"] for name, e in results["methods"].items()
+               if e["overall"].get("decode_tokens_per_s") is not None}
+    if decoded:
+        kinds = ("model", "lookup", "prediction")
+        lines += ["", "## Decoding after the first token, and each kind of proposal", "",
+                  "Acceptance by kind: accepted / verified draft tokens (rounds it drafted).",
+                  "", "| method | decode tokens/s | decode speedup | "
+                  + " | ".join(kinds) + " |", "|---|---|---|" + "---|" * len(kinds)]
+        for name, o in decoded.items():
+            cells = []
+            for kind in kinds:
+                counts = (o.get("sources") or {}).get(kind)
+                cells.append("–" if not counts else
+                             f"{counts['accepted'] / counts['drafted']:.2f} "
+                             f"({counts['rounds']})")
+            lines.append(f"| {name} | {o['decode_tokens_per_s']:.1f} | "
+                         f"{_fmt(o.get('decode_speedup'))} | " + " | ".join(cells) + " |")
     lines += ["", "## Speedup by category", "",
               "| category | " + " | ".join(results["methods"]) + " |",
               "|---|" + "---|" * len(results["methods"])]
@@ -172,6 +212,9 @@ def render_markdown(results: dict) -> str:
                 at_long += f" (c = {cost['long_draft_step']:.3f})"
             if cost.get("sampling_step"):
                 at_long += f"; sampled rows +{cost['sampling_step']:.3f} a drafted token"
+            if cost.get("draft_catch_up_s"):
+                at_long += (f"; the draft reads a token it lags by in "
+                            f"{cost['draft_catch_up_s'] * 1e3:.2f} ms")
             shared = cost.get("methods", [name])
             if shared != [name]:  # the verify modes of one method and K price rounds alike
                 name = f"{name} (shared by {', '.join(shared)})"

@@ -98,6 +98,44 @@ class Drafter(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ChainCut:
+    """Where a greedy draft chain stops, from the drafter's own confidence (llama.cpp's p-min,
+    its threshold chosen by the row's prices rather than fixed). P_j, the product of the
+    drafter's probabilities of tokens 0..j of its chain, stands for the chance that the target
+    accepts all of them. With tokens 0..j-1 kept, the round expects E = 1 + P_0 + .. + P_{j-1}
+    tokens for C = j c + v(j + 1) target steps; token j, once drafted (c spent), is kept where
+    it raises the rate: P_j (C + c) > E (v(j + 2) - v(j + 1)); and the chain goes on only
+    where a next token as likely as the last could still pay its own draft step too.
+
+    Example (c = 0.1, v = 1.0, 1.1, 1.2): token 0 at P_0 = 0.9 is kept (0.9 * 1.1 > 1 * 0.1);
+    a next token the drafter gives 0.05 (P_1 = 0.045) is dropped (0.045 * 1.3 < 1.9 * 0.1)."""
+
+    draft_step: float  # c
+    verify: tuple[float, ...]  # v(1), v(2), ...: the row's prices
+
+    def v(self, positions: int) -> float:
+        curve = self.verify
+        if positions <= len(curve):
+            return curve[positions - 1]
+        step = curve[-1] - curve[-2] if len(curve) > 1 else 1.0
+        return curve[-1] + step * (positions - len(curve))
+
+    def keeps(self, cumulative: list[float]) -> bool:
+        """Whether the last token of a chain whose cumulative probabilities are `cumulative`
+        ([P_0, .., P_j]) is worth verifying."""
+        j, c = len(cumulative) - 1, self.draft_step
+        expected, cost = 1.0 + sum(cumulative[:-1]), j * c + self.v(j + 1)
+        return cumulative[-1] * (cost + c) > expected * (self.v(j + 2) - self.v(j + 1))
+
+    def goes_on(self, cumulative: list[float]) -> bool:
+        """Whether to draft another token after a kept chain with these probabilities: one as
+        likely as the last would still raise the rate for its draft step and position."""
+        j, c = len(cumulative), self.draft_step
+        expected, cost = 1.0 + sum(cumulative), j * c + self.v(j + 1)
+        return cumulative[-1] * (cost + c) > expected * (c + self.v(j + 2) - self.v(j + 1))
+
+
 def empty_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter, empty_draft
+from verispec.drafters.base import ChainCut, Draft, Drafter, empty_draft
 from verispec.drafters.feature import FeatureDrafter, propose_features_together
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter, propose_together
@@ -18,7 +17,8 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
                   params: list[SamplingParams], generators: list[torch.Generator | None],
                   free_ks: list[int] | None = None,
                   lookup_keeps: list[Callable[[Draft], int]] | None = None,
-                  greedy_trees: bool = True) -> list[Draft]:
+                  greedy_trees: bool = True,
+                  cuts: list[ChainCut | None] | None = None) -> list[Draft]:
     """Drafter.propose for every row: lookups row by row; draft models and feature drafts in
     lockstep, one pass per draft step for all their rows; a hybrid row looks up first (up to
     its free_ks tokens: a lookup costs nothing, so it may propose more than the draft model's
@@ -26,7 +26,8 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
     matches, or when its row would verify none of the lookup's tokens (lookup_keeps: how many
     of a lookup's tokens the row verifies, by its kind of match). free_ks defaults to ks. A
     row with no drafter or a budget of 0 drafts nothing. greedy_trees=False: feature drafts
-    propose chains for greedy rows."""
+    propose chains for greedy rows. cuts: where a greedy row's draft-model chain may stop
+    early (`ChainCut`; None: at its K)."""
     free_ks = ks if free_ks is None else free_ks
     drafts: list[Draft] = [empty_draft() for _ in drafters]
     model_rows: list[tuple[int, ModelDrafter]] = []
@@ -48,14 +49,18 @@ def propose_batch(drafters: list[Drafter | None], histories: list[torch.Tensor],
             feature_rows.append((i, drafter))
         else:
             drafts[i] = drafter.propose(histories[i], ks[i], params[i], generators[i])
-    for rows, propose in ((model_rows, propose_together),
-                          (feature_rows, functools.partial(propose_features_together,
-                                                           greedy_trees=greedy_trees))):
-        if not rows:
-            continue
-        proposed = propose([drafter for _, drafter in rows], [histories[i] for i, _ in rows],
-                           [ks[i] for i, _ in rows], [params[i] for i, _ in rows],
-                           [generators[i] for i, _ in rows])
-        for (i, _), draft in zip(rows, proposed, strict=True):
+    def columns(rows: list) -> tuple[list, ...]:
+        return ([drafter for _, drafter in rows], [histories[i] for i, _ in rows],
+                [ks[i] for i, _ in rows], [params[i] for i, _ in rows],
+                [generators[i] for i, _ in rows])
+
+    if model_rows:
+        row_cuts = [None if cuts is None else cuts[i] for i, _ in model_rows]
+        for (i, _), draft in zip(model_rows, propose_together(*columns(model_rows),
+                                                              cuts=row_cuts), strict=True):
+            drafts[i] = draft
+    if feature_rows:
+        for (i, _), draft in zip(feature_rows, propose_features_together(
+                *columns(feature_rows), greedy_trees=greedy_trees), strict=True):
             drafts[i] = draft
     return drafts

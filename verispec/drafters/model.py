@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters.base import Draft, empty_draft
+from verispec.drafters.base import ChainCut, Draft, empty_draft
 from verispec.params import SamplingParams
 from verispec.runtime import HFRunner, Runner, batched_logits, common_prefix
 from verispec.sampling import draw, greedy_tokens, warp
@@ -81,16 +81,23 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int, head_token_ids: torch.Tenso
 
 
 def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor], ks: list[int],
-                     params: list[SamplingParams], generators: list[torch.Generator | None]
-                     ) -> list[Draft]:
+                     params: list[SamplingParams], generators: list[torch.Generator | None],
+                     cuts: list[ChainCut | None] | None = None) -> list[Draft]:
     """ModelDrafter.propose for many sequences in lockstep: draft step j is one batched pass
     (`verispec.runtime.batched_logits`) over the rows that still want a j-th token. Each row
-    draws from its own warped distribution with its own generator, exactly as alone."""
+    draws from its own warped distribution with its own generator, exactly as alone. cuts: a
+    greedy row's chain stops early where its ChainCut says its confidence no longer pays (a
+    proposal's length may depend on the drafter's own probabilities: verification is exact
+    for any draft)."""
     sequences = list(histories)
+    ks = list(ks)
     tokens: list[list[torch.Tensor]] = [[] for _ in drafters]
     probs: list[list[torch.Tensor]] = [[] for _ in drafters]
+    confidence: list[list[float]] = [[] for _ in drafters]  # a cut row's P_0, P_1, ..
     for step in range(max(ks, default=0)):
         rows = [i for i, k in enumerate(ks) if k > step]
+        if not rows:
+            break
         # 1. Next-token logits of each drafting row, on the target's vocabulary.
         logits = batched_logits([drafters[i].runner for i in rows],
                                 [sequences[i] for i in rows], [1] * len(rows))
@@ -99,6 +106,15 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
             row_logits = drafters[i]._fit_vocab(row_logits)  # [1, V]
             if params[i].greedy:
                 token = greedy_tokens(row_logits).cpu()  # [1]
+                cut = None if cuts is None else cuts[i]
+                if cut is not None:  # 3. a chain the drafter is no longer sure of stops
+                    sure = float(torch.softmax(row_logits[0].float(), -1)[token[0]])
+                    confidence[i].append(sure * (confidence[i][-1] if confidence[i] else 1.0))
+                    if not cut.keeps(confidence[i]):
+                        ks[i] = step
+                        continue
+                    if not cut.goes_on(confidence[i]):
+                        ks[i] = step + 1
             else:
                 draft_probs = warp(row_logits, params[i])  # [1, V]
                 token = draw(draft_probs, params[i], generators[i],
