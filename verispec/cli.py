@@ -111,7 +111,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="a model name (`verispec models`), HF checkpoint folder or .gguf "
                              "file (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", default="default",
-                        help="draft model name, folder or .gguf, 'ngram', 'none' (plain "
+                        help="draft model name, folder or .gguf, 'ngram', 'suffix' (lookup "
+                             "over earlier requests too), 'none' (plain "
                              "decoding) or 'default' (the target's default draft with n-gram "
                              "lookup, else n-gram lookup)")
     add_runtime_args(parser)
@@ -286,6 +287,10 @@ def add_serve_command(commands) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds the requests in flight get to finish after SIGTERM or "
                             "Ctrl-C, then they are cancelled (default 10)")
+    serve.add_argument("--suffix-cache", default="per-key", choices=("per-key", "shared", "off"),
+                       help="whose earlier prompts and outputs a cross-request lookup (--draft "
+                            "suffix) may propose to a request: per-key (default: requests with "
+                            "the same API key), shared (every request), off (none)")
     serve.set_defaults(run=run_serve)
 
 
@@ -304,7 +309,7 @@ def run_serve(args: argparse.Namespace) -> int:
         args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
         protect_metrics=args.protect_metrics, docs=args.docs,
-        shutdown_timeout=args.shutdown_timeout)
+        shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache)
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,

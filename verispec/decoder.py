@@ -148,7 +148,8 @@ class SpeculativeDecoder:
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (a draft shipped for the target, with lookup; else n-gram lookup),
-        "hybrid:PATH", "ngram", a draft model folder/.gguf sharing the target's tokenizer, or None
+        "hybrid:PATH", "ngram", "suffix" (lookup over earlier requests too), a draft model
+        folder/.gguf sharing the target's tokenizer, or None
         (plain decoding). k: "auto" (default: chosen each round from measured costs and the running
         acceptance rate), a fixed number of draft tokens per round, or "heuristic"
         (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
@@ -178,7 +179,7 @@ class SpeculativeDecoder:
                                tree_width=tree_width, sampled_tree_width=sampled_tree_width,
                                dequantize=dequantize)
         files = [loading.source_path(target)]
-        if draft not in (None, "ngram"):
+        if draft not in (None, "ngram", "suffix"):
             files.append(loading.source_path(draft.removeprefix("hybrid:")))
         return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
                    int8=int8, config=config, model_files=files)

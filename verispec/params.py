@@ -34,6 +34,13 @@ class SamplingParams:
             keyed by (seed, absolute position), so the output is token for token the output of
             plain sampling with this seed, alone or in any batch, with any drafter or K. It
             needs a seed (the noise is a function of it): without one it is refused.
+
+    lookup_scope names whose earlier text a drafter with a cross-request cache
+    (verispec.drafters.SuffixDrafter) may propose to this request, and where its own prompt and
+    output go when it ends: requests of one scope share (default "": one scope for the
+    process); None: its own text only, and it leaves nothing behind. The output is the same
+    whatever the scope (the target verifies every token); only speed, and which text a draft
+    is built from, depend on it. A server sets it per API key (`verispec serve --suffix-cache`).
     """
 
     max_new_tokens: int = 128
@@ -45,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
     verify: str = "block"  # "block" | "token" | "invariant"
+    lookup_scope: str | None = ""  # None: no cross-request lookup
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +78,8 @@ class SamplingParams:
                f"seed must be in [0, 2**64), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
+        _check(self.lookup_scope is None or isinstance(self.lookup_scope, str),
+               f"lookup_scope must be a string or None, got {self.lookup_scope!r}")
         _check(self.verify in VERIFY_METHODS,
                f"verify must be one of {VERIFY_METHODS}, got {self.verify!r}")
         _check(self.verify != "invariant" or self.greedy or self.seed is not None,

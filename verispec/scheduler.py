@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter, catch_up, empty_draft, follow_target
+from verispec.drafters.base import Draft, Drafter, catch_up, empty_draft, follow_target, retire
 from verispec.drafters.batch import propose_batch
 from verispec.drafters.prediction import PredictionLookup, is_prediction
 from verispec.params import SamplingParams
@@ -270,6 +270,7 @@ class Scheduler:
         self.running.remove(request)
         self._free_runners.append(request.runner)
         if request.drafter is not None:
+            retire(request.drafter, request.history, request.params)
             self._free_drafters.append(request.drafter)
 
     def _advance(self, request: Request, verified: Verified) -> Event:

@@ -21,7 +21,7 @@ from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
 from verispec.bench.prompts import builtin_prompts, load_jsonl
 from verispec.bench.report import REFERENCE, summarise, write_outputs
 from verispec.decoder import SpeculativeDecoder
-from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.folder import is_feature_draft, load_draft
 from verispec.drafters.load import load_draft_model, load_drafter
@@ -82,6 +82,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     for method in methods:
         method.run(prompt_ids[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
         decoder = getattr(method, "decoder", None)
+        if decoder is not None and isinstance(decoder.drafter, SuffixDrafter):
+            decoder.drafter.cache.clear()  # the warm-up's text is not proposed to the runs
         if decoder is not None and decoder.k == "auto":
             entry = costs.setdefault(method.group, dict(asdict(decoder.costs), methods=[]))
             entry["methods"].append(method.name)
@@ -156,7 +158,7 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                 methods.append(VerispecMethod(
                     name if verify == "block" else f"{name}[invariant]",
                     SpeculativeDecoder(model, tokenizer, None, runtime=runners.target), verify))
-        elif name in ("ngram", "draft", "hybrid"):
+        elif name in ("ngram", "suffix", "draft", "hybrid"):
             for k in config.ks:
                 group = name if len(config.ks) == 1 else f"{name}[k={k}]"
                 first = None
@@ -188,9 +190,12 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
 
 
 def _drafter(name: str, model, runners: Runners, head_token_ids):
-    """A fresh drafter for one decoder of method `name` ("ngram", "draft" or "hybrid")."""
+    """A fresh drafter for one decoder of method `name` ("ngram", "suffix", "draft" or
+    "hybrid"). A suffix drafter's cache starts empty and fills with the prompts it runs."""
     if name == "ngram":
         return NgramDrafter()
+    if name == "suffix":
+        return SuffixDrafter()
     if runners.feature_drafter is not None:
         drafter = runners.feature_drafter.fork()
     else:

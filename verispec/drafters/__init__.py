@@ -12,5 +12,7 @@ from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.suffix import SuffixDrafter
 
-__all__ = ["Draft", "Drafter", "FeatureDrafter", "HybridDrafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["Draft", "Drafter", "FeatureDrafter", "HybridDrafter", "ModelDrafter", "NgramDrafter",
+           "SuffixDrafter"]

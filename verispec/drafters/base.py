@@ -74,9 +74,10 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """What every drafter does. Two methods are optional (called through the helpers below
+    """What every drafter does. Some methods are optional (called through the helpers below
     when a drafter has them): `follow(runner)`, for one that reads the target's hidden states,
-    and `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in."""
+    `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in, and
+    `retire(history, params)`, for one that learns from the requests that leave."""
 
     name: str
 
@@ -146,6 +147,15 @@ def follow_target(drafter: Drafter | None, runner) -> None:
     follow = getattr(drafter, "follow", None)
     if follow is not None:
         follow(runner)
+
+
+def retire(drafter: Drafter | None, history: torch.Tensor, params: SamplingParams) -> None:
+    """A request leaves (finished, cancelled or failed) with history [L], its prompt and
+    output: a drafter that learns from finished requests (one with `retire`: a cross-request
+    lookup cache, `SuffixDrafter`) takes it in; others need nothing."""
+    take_in = getattr(drafter, "retire", None)
+    if take_in is not None:
+        take_in(history, params)
 
 
 def catch_up(drafter: Drafter | None, prefix_ids: torch.Tensor) -> None:

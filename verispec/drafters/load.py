@@ -1,7 +1,8 @@
 """From what the user names as a draft to a drafter: the one place the decoder, the bench and
 the CLI turn a draft spec into a `Drafter`.
 
-A spec is None / "none" (plain decoding), "ngram", "default" (the draft shipped for the target
+A spec is None / "none" (plain decoding), "ngram", "suffix" (lookup over the request and
+earlier requests, `verispec.drafters.suffix`), "default" (the draft shipped for the target
 with n-gram lookup, else lookup alone), "hybrid" / "hybrid:PATH" (lookup where the text repeats
 itself, the shipped draft or the one at PATH elsewhere), or the path of a draft: a folder that
 `verispec distill` wrote (`verispec.drafters.folder`), or any causal LM folder or .gguf that
@@ -29,6 +30,7 @@ from verispec.drafters.folder import (
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.suffix import SuffixDrafter
 from verispec.errors import IncompatibleDraftError
 from verispec.runtime import make_runner
 from verispec.vocab import check_vocab, vocab_size
@@ -68,7 +70,7 @@ def resolve_draft(draft, target_spec=None, runtime: str = "auto") -> str | None:
         shipped = loading.default_draft(target_spec)
         # (the shipped draft reads the target's features, which transformers' runtime lacks)
         return "ngram" if shipped is None or runtime == "hf" else f"hybrid:{shipped}"
-    if draft == "ngram":
+    if draft in ("ngram", "suffix"):
         return draft
     if isinstance(draft, str) and (draft == "hybrid" or draft.startswith("hybrid:")):
         model_draft = draft.partition(":")[2] or loading.default_draft(target_spec)
@@ -97,6 +99,8 @@ def load_drafter(draft, target: PreTrainedModel, tokenizer, dtype: str = "auto",
         return None
     if draft == "ngram":
         return NgramDrafter()
+    if draft == "suffix":
+        return SuffixDrafter()
     if draft.startswith("hybrid:"):
         model_draft = draft.removeprefix("hybrid:")
         drafter = load_drafter(model_draft, target, tokenizer, dtype, device, runtime, int8,

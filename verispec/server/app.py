@@ -22,6 +22,7 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from verispec.drafters.suffix_cache import SuffixCache
 from verispec.scheduler import Event
 from verispec.server.guards import BearerAuth, BodyLimit, Draining, InternalErrors
 from verispec.server.metrics import CountRequests, Metrics
@@ -59,7 +61,9 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None) -> 
     config = config or ServerConfig()
     engine = Engine(decoder, max_batch=config.max_batch, max_queue=config.max_queue)
     prompts = Prompts(decoder, config.max_prompt_tokens)
-    metrics = Metrics(in_flight=lambda: engine.outstanding)
+    cache = getattr(decoder.drafter, "cache", None)  # a cross-request lookup's (--draft suffix)
+    metrics = Metrics(in_flight=lambda: engine.outstanding,
+                      suffix_cache=cache.usage if isinstance(cache, SuffixCache) else None)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -117,7 +121,9 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None) -> 
                       ) -> Response:
         """encode: -> the prompt's ids, checked, off the engine thread (APIError if refused)."""
         arrived = time.perf_counter()
-        params = body.params()
+        # whose earlier text a cross-request lookup may propose to it (--suffix-cache)
+        params = replace(body.params(), lookup_scope=config.lookup_scope(
+            request.headers.get("authorization")))
         if engine.outstanding >= engine.capacity:  # spare the tokenising; submit checks again
             raise queue_full(f"the server is at capacity ({engine.capacity} requests in "
                              "flight or waiting); retry later")

@@ -2,7 +2,7 @@
 
     python -m verispec.server.loadtest --url http://127.0.0.1:8000/v1 --requests 64 \
         --concurrency 16 --max-tokens 64 [--temperature 0] [--chat] [--prompts FILE] [--mixed]
-        [--api-key KEY] [--verify invariant]
+        [--api-key KEY] [--verify invariant] [--shared-files 4]
 
 Each client (a thread with its own `openai` client) streams its requests one after another, so
 C requests are in flight at once; time to first token is the first chunk with text, latency the
@@ -18,6 +18,11 @@ the draws; with --verify invariant they must, as the seeded requests then verify
 
 --long-prompt N: one more request, a prompt of about N tokens, arrives a second into the run;
 the summary gives its status and the longest gap between two chunks of any other stream.
+
+--shared-files N: prompts with repeated context, as an assistant over a code base sees them:
+each of N of verispec's own source files (its first 1,500 characters) under each of a few
+tasks (`shared_file_prompts`), request i taking prompt i mod their number, so requests share
+files and later requests ask what earlier ones asked (a cross-request lookup's case).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import verispec
+
 PROMPTS = (
     "Explain in two sentences what a KV cache is.",
     "Write a Python function that reverses a string.",
@@ -40,6 +47,31 @@ PROMPTS = (
     "Give a short definition of entropy in information theory.",
     "Write a haiku about autumn rain.",
 )
+
+# Files of verispec itself that --shared-files quotes, and what each prompt asks of its file.
+SHARED_FILES = ("drafters/ngram.py", "theory.py", "text.py", "sampling.py", "stats.py",
+                "params.py", "drafters/prediction.py", "request.py")
+FILE_TASKS = (
+    "Explain what this code does, function by function.",
+    "Add a docstring to every function that lacks one and print the whole file.",
+    "List every name this file defines, one a line, with a short description.",
+    "Rewrite this file with type hints on every argument and print it.",
+    "Write pytest tests for the functions in this file.",
+    "Point out possible bugs in this code.",
+    "Summarise this file in three sentences.",
+    "Print the file's imports, then its functions' signatures.",
+)
+FILE_CHARS = 1500
+
+
+def shared_file_prompts(files: int) -> tuple[str, ...]:
+    """Every task of FILE_TASKS over each of the first `files` SHARED_FILES (its first
+    FILE_CHARS characters), file by file: prompts that share files and tasks."""
+    if not 1 <= files <= len(SHARED_FILES):
+        raise ValueError(f"files must be in [1, {len(SHARED_FILES)}], got {files}")
+    root = Path(verispec.__file__).parent
+    return tuple(f"```python\n{(root / name).read_text()[:FILE_CHARS]}\n```\n\n{task}"
+                 for name in SHARED_FILES[:files] for task in FILE_TASKS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +274,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="also send one prompt of about this many tokens a second in")
     parser.add_argument("--verify", choices=("block", "token", "invariant"), default=None,
                         help="the seeded requests' verification procedure (--mixed)")
+    parser.add_argument("--shared-files", type=int, default=0, metavar="N",
+                        help="prompts with repeated context: N source files, each under "
+                             f"{len(FILE_TASKS)} tasks (instead of the built-in prompts)")
     args = parser.parse_args(argv)
     prompts = PROMPTS
     if args.prompts:
         prompts = tuple(line for line in args.prompts.read_text().splitlines() if line.strip())
+    elif args.shared_files:
+        prompts = shared_file_prompts(args.shared_files)
     report = run_load(args.url, args.requests, args.concurrency, prompts, args.max_tokens,
                       args.temperature, args.chat, mixed=args.mixed, api_key=args.api_key,
                       long_prompt=args.long_prompt, verify=args.verify)

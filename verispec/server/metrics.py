@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from verispec.drafters.suffix_cache import CacheUsage
+
 PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                    "/metrics"})
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -18,8 +20,11 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
 class Metrics:
-    def __init__(self, in_flight: Callable[[], int]) -> None:
-        """in_flight: how many requests the engine holds (waiting or running), read on scrape."""
+    def __init__(self, in_flight: Callable[[], int],
+                 suffix_cache: Callable[[], CacheUsage] | None = None) -> None:
+        """in_flight: how many requests the engine holds (waiting or running), read on scrape;
+        suffix_cache: what a cross-request lookup cache holds (`SuffixCache.usage`), where the
+        drafter has one."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("verispec_requests", "HTTP requests by path and status",
                                 ["path", "status"], registry=registry)
@@ -53,6 +58,14 @@ class Metrics:
                                  registry=registry)
         Gauge("verispec_requests_in_flight", "requests waiting or running in the engine",
               registry=registry).set_function(in_flight)
+        if suffix_cache is not None:
+            for field, help_text in (
+                    ("tokens", "earlier requests' tokens the lookup cache holds"),
+                    ("states", "states of the lookup cache's suffix automata"),
+                    ("documents", "earlier requests the lookup cache holds"),
+                    ("evicted", "requests dropped from the lookup cache (least recently used)")):
+                Gauge(f"verispec_suffix_cache_{field}", help_text, registry=registry
+                      ).set_function(lambda field=field: getattr(suffix_cache(), field))
 
     def finished(self, output, prompt_tokens: int, latency_s: float) -> None:
         """Count a finished request; output: its verispec GenerationOutput."""

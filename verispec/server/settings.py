@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a full-context prompt is ~50 KB of JSON
+SUFFIX_CACHE_MODES = ("per-key", "shared", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +15,10 @@ class ServerConfig:
     max_body_bytes is 413; a prompt over max_prompt_tokens (None: the model's context less one
     token for the answer) is 400; api_key (None: open) guards /v1/*, and /metrics and /health
     too with protect_metrics; docs serves /docs, /redoc and /openapi.json; after SIGTERM the
-    requests in flight have shutdown_timeout seconds to finish, then they are cancelled."""
+    requests in flight have shutdown_timeout seconds to finish, then they are cancelled.
+    suffix_cache: whose earlier prompts and outputs a cross-request lookup may propose to a
+    request (`lookup_scope`): "per-key" those sent with the same API key, "shared" all,
+    "off" none."""
 
     max_batch: int = 16
     max_queue: int = 64
@@ -23,6 +28,7 @@ class ServerConfig:
     protect_metrics: bool = False
     docs: bool = False
     shutdown_timeout: float = 10.0
+    suffix_cache: str = "per-key"
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
@@ -38,6 +44,22 @@ class ServerConfig:
                "protect_metrics needs an api_key")
         _check(self.shutdown_timeout >= 0,
                f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        _check(self.suffix_cache in SUFFIX_CACHE_MODES,
+               f"suffix_cache must be one of {SUFFIX_CACHE_MODES}, got {self.suffix_cache!r}")
+
+    def lookup_scope(self, authorization: str | None) -> str | None:
+        """The `SamplingParams.lookup_scope` of a request sent with this Authorization header
+        (None: none). per-key: a digest of its bearer key (the key itself is never kept), one
+        scope for the requests without one; shared: one scope for all; off: None.
+
+        Example: per-key, "Bearer sk-a" -> "key:" + the first 16 hex digits of sha256("sk-a")."""
+        if self.suffix_cache == "off":
+            return None
+        if self.suffix_cache == "shared":
+            return ""
+        scheme, _, key = (authorization or "").partition(" ")
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _check(ok: bool, message: str) -> None:
