@@ -70,3 +70,22 @@ def test_a_stop_string_of_multibyte_characters_cuts_where_decoding_all_would(tok
         assert stream.stopped and stream.text == "price: 12€ then 13" == "".join(pieces)
         assert tokenizer.decode(ids[:stream.num_tokens]).endswith("€€")
         assert "€€" not in tokenizer.decode(ids[:stream.num_tokens - 1])
+
+
+def test_a_stop_string_after_a_held_back_character_cuts_the_ids_at_it(tokenizer):
+    """A round whose text ends inside a character is held back until a later round completes
+    it; a stop string in the held-back round still cuts the ids right after it, however the
+    ids were split into rounds (the output's ids must not depend on the rounds' sizes)."""
+    euro = "€".encode()  # three bytes: a round ending after one or two of them is held back
+    ids = _byte_ids(tokenizer, b"ab" + euro[:2] + b"o" + euro[2:] + b"cd")  # "o": the stop
+    cuts = set()
+    for first in range(1, len(ids)):
+        for second in range(first + 1, len(ids)):
+            stream = TextStream(tokenizer, ("o",))
+            for part in (ids[:first], ids[first:second], ids[second:]):
+                stream.add(part)
+                if stream.stopped:
+                    break
+            assert stream.stopped
+            cuts.add(stream.num_tokens)
+    assert cuts == {5}  # a, b, two bytes of the euro sign, o

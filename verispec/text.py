@@ -38,18 +38,18 @@ class TextStream:
         """Append ids; return the text that is now final."""
         if self.stopped:
             return ""
-        start = len(self.ids)
         self.ids.extend(new_ids)
         self.num_tokens = len(self.ids)
         if self.tokenizer is None:
             return ""
+        unread = self._read  # ids not in self.text yet: this round's and any held back
         self._read_new(final=False)
         if self.stop:
             cut = self._find_stop(self.text)
             if cut is not None:
                 self.text = self.text[:cut]
                 self.stopped = True
-                self.num_tokens = self._tokens_to_stop(start)
+                self.num_tokens = self._tokens_to_stop(unread)
         return self._release(final=self.stopped)
 
     def flush(self) -> str:
@@ -93,9 +93,17 @@ class TextStream:
         found = [i for s in self.stop if (i := text.find(s, window_start)) >= 0]
         return min(found) if found else None
 
-    def _tokens_to_stop(self, round_start: int) -> int:
-        """The fewest ids whose text contains a stop string (searching this round's ids)."""
-        for count in range(round_start + 1, len(self.ids) + 1):
-            if self._find_stop(self._decode(self.ids[:count])) is not None:
+    def _tokens_to_stop(self, unread: int) -> int:
+        """The fewest ids whose text contains a stop string, searching from ids[unread] (the
+        first not in the text before this round: a round's text may wait for a later round to
+        complete its last character, and arrive with it). The search window starts from the
+        decoding of the ids before, not from `emitted`: a whole decoding need not be as long as
+        the pieces decoded round by round (bytes that are no whole character decode as
+        U+FFFD)."""
+        longest = max(len(s) for s in self.stop)
+        window_start = max(0, len(self._decode(self.ids[:unread])) - longest)
+        for count in range(unread + 1, len(self.ids) + 1):
+            text = self._decode(self.ids[:count])
+            if any(text.find(s, window_start) >= 0 for s in self.stop):
                 return count
         return len(self.ids)
