@@ -106,6 +106,7 @@ def drafter_settings(drafter) -> dict | None:
     from verispec.drafters.hybrid import HybridDrafter
     from verispec.drafters.model import ModelDrafter
     from verispec.drafters.ngram import NgramDrafter
+    from verispec.drafters.suffix import SuffixDrafter
 
     if drafter is None:
         return None
@@ -115,6 +116,8 @@ def drafter_settings(drafter) -> dict | None:
                         lookup=drafter_settings(drafter.lookup))
     elif isinstance(drafter, NgramDrafter):
         settings.update(max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram)
+    elif isinstance(drafter, SuffixDrafter):
+        settings.update(max_match=drafter.max_match, min_match=drafter.min_match)
     elif isinstance(drafter, FeatureDrafter):
         settings.update(tree_width=drafter.tree_width,
                         sampled_tree_width=drafter.sampled_tree_width, taps=list(drafter.taps),

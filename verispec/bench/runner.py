@@ -82,8 +82,10 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     for method in methods:
         method.run(prompt_ids[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
         decoder = getattr(method, "decoder", None)
-        if decoder is not None and isinstance(decoder.drafter, SuffixDrafter):
-            decoder.drafter.cache.clear()  # the warm-up's text is not proposed to the runs
+        lookup = getattr(getattr(decoder, "drafter", None), "lookup", None)  # a hybrid's
+        for drafter in (getattr(decoder, "drafter", None), lookup):
+            if isinstance(drafter, SuffixDrafter):
+                drafter.cache.clear()  # the warm-up's text is not proposed to the runs
         if decoder is not None and decoder.k == "auto":
             entry = costs.setdefault(method.group, dict(asdict(decoder.costs), methods=[]))
             entry["methods"].append(method.name)

@@ -8,14 +8,15 @@ import torch
 from verispec.drafters.base import Draft, catch_up, follow_target, unread
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.model import ModelDrafter
-from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.suffix import SuffixDrafter
 from verispec.params import SamplingParams
 
 
 class HybridDrafter:
     """Propose what followed the last occurrence of the current n-gram when an n-gram of at
     least `min_match` tokens recurs (copying from the prompt: summaries, extraction, code
-    edits), and the draft model's tokens otherwise. The draft model may be a feature draft: it
+    edits), in the request's own text or in earlier requests' (`SuffixDrafter`), and the draft
+    model's tokens otherwise. The draft model may be a feature draft: it
     reads the target's features of every position it skipped when it drafts next.
 
     Each proposal keeps its own kind (Draft.source: the n-gram length, or 0 for the model), so
@@ -27,9 +28,11 @@ class HybridDrafter:
     name = "hybrid"
 
     def __init__(self, model: ModelDrafter | FeatureDrafter, min_match: int = 2,
-                 max_ngram: int = 5) -> None:
+                 max_ngram: int = 5, lookup: SuffixDrafter | None = None) -> None:
+        """lookup: the lookup to share (a fork's: one cache of earlier requests for all the
+        process's rows); None: a new one."""
         self.model = model
-        self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_match)
+        self.lookup = lookup or SuffixDrafter(max_match=max_ngram, min_match=min_match)
 
     def follow(self, runner) -> None:
         """Tie a feature draft to the target runner of this sequence (nothing for a model)."""
@@ -47,7 +50,11 @@ class HybridDrafter:
         self.model.reset()
 
     def fork(self) -> HybridDrafter:
-        return HybridDrafter(self.model.fork(), self.lookup.min_ngram, self.lookup.max_ngram)
+        return HybridDrafter(self.model.fork(), lookup=self.lookup.fork())
+
+    def retire(self, history: torch.Tensor, params: SamplingParams) -> None:
+        """A request leaves: its lookup's cache of earlier requests takes its text in."""
+        self.lookup.retire(history, params)
 
     def propose(
         self,
