@@ -120,6 +120,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
 
 
+def draft_args(args: argparse.Namespace) -> dict:
+    """--draft-vocab and --draft-quant as from_pretrained takes them (unset: the defaults)."""
+    from verispec.drafters.load import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB
+
+    vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
+    quant = DEFAULT_DRAFT_QUANT if args.draft_quant is None else args.draft_quant
+    return {"draft_vocab": vocab or None, "draft_quant": None if quant == "none" else quant}
+
+
 def dequantize_arg(args: argparse.Namespace) -> str | None:
     """--dequantize as loading.weights_for takes it ("none": None, the file's own formats)."""
     return None if args.dequantize == "none" else args.dequantize
@@ -151,6 +160,15 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                              "of them as panels (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K), else bf16 "
                              "where the C++ bfloat16 kernels run (AVX512-BF16, AMX), its own "
                              "formats elsewhere")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="a draft model's head keeps the N tokens the target writes most "
+                             "(special tokens always); 0: the full head (default: 65536 where "
+                             "a ranking ships for the tokenizer)")
+    parser.add_argument("--draft-quant", default=None,
+                        choices=["q4_0", "q4_1", "q5_0", "q8_0", "none"],
+                        help="a GGUF draft's wider block matrices are re-quantised to this type "
+                             "once (cached in ~/.cache/verispec); none: as the file has them "
+                             "(default: q4_0)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -163,7 +181,8 @@ def run_generate(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args))
+        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
+        **draft_args(args))
     prediction = None
     if args.prediction is not None:
         try:
@@ -204,7 +223,7 @@ def run_bench(args: argparse.Namespace) -> int:
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
         batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue,
         tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width,
-        llama_cpp=args.llama_cpp, dequantize=dequantize_arg(args))
+        llama_cpp=args.llama_cpp, dequantize=dequantize_arg(args), **draft_args(args))
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)
@@ -230,7 +249,7 @@ def run_costs(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, k="auto", dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
         sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
-        config=DecodeConfig(auto_k_max=args.k_max))
+        **draft_args(args), config=DecodeConfig(auto_k_max=args.k_max))
     models = decoder.cost_table.remeasure(args.max_batch)
     costs = models[1]
     report = {"runtime": type(decoder.target).__name__, "dtype": args.dtype, "int8": args.int8,
@@ -313,7 +332,8 @@ def run_serve(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args))
+        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
+        **draft_args(args))
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
           port=args.port, config=config)
     return 0

@@ -16,7 +16,12 @@ from verispec.cost_table import CostTable
 from verispec.costs import CostModel
 from verispec.drafters import Drafter
 from verispec.drafters.base import follow_target
-from verispec.drafters.load import load_drafter, resolve_draft
+from verispec.drafters.load import (
+    DEFAULT_DRAFT_QUANT,
+    DEFAULT_DRAFT_VOCAB,
+    load_drafter,
+    resolve_draft,
+)
 from verispec.params import SamplingParams
 from verispec.policy import AdaptiveK, FixedK, HeuristicK, KPolicy, parse_k
 from verispec.runtime import RUNTIMES, Runner, make_runner
@@ -151,6 +156,8 @@ class SpeculativeDecoder:
         "hybrid:PATH", "ngram", "suffix" (lookup over earlier requests too), a draft model
         folder/.gguf sharing the target's tokenizer, or None
         (plain decoding). k: "auto" (default: chosen each round from measured costs and the running
+        draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+        draft_quant: str | None = DEFAULT_DRAFT_QUANT,
         acceptance rate), a fixed number of draft tokens per round, or "heuristic"
         (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
         Llama-family models, transformers otherwise), "native" or "hf". dtype: "auto" (bfloat16
@@ -163,7 +170,12 @@ class SpeculativeDecoder:
         as panels (AVX2 or AVX-512; Q4_K_M and Q4_1 files), else dequantised to bfloat16 where
         the native C++ bfloat16 kernels run, its own bit width elsewhere;
         `loading.weights_for`), None (its own bit width) or "bf16" (transformers dequantises
-        it; the native runtime keeps bfloat16). Runtime "hf" and int8 run on dense weights: bf16."""
+        it; the native runtime keeps bfloat16). Runtime "hf" and int8 run on dense weights: bf16.
+        draft_vocab: a draft model's head keeps the draft_vocab tokens the target writes most
+        where a ranking ships for the tokenizer (None or 0: its full head); draft_quant: a GGUF
+        draft's wider block matrices re-quantised to this type ("q4_0", "q4_1", "q5_0",
+        "q8_0"; None: as the file has them). Neither changes the output, only the draft's
+        cost and acceptance (docs/draft-head.md)."""
         k = parse_k(k)
         check_tree_width(tree_width)
         check_tree_width(sampled_tree_width)
@@ -177,7 +189,8 @@ class SpeculativeDecoder:
         drafter = load_drafter(draft, model, tokenizer, dtype=dtype, device=device,
                                runtime=runtime, int8=int8, target_spec=target,
                                tree_width=tree_width, sampled_tree_width=sampled_tree_width,
-                               dequantize=dequantize)
+                               dequantize=dequantize, draft_vocab=draft_vocab,
+                               draft_quant=draft_quant)
         files = [loading.source_path(target)]
         if draft not in (None, "ngram", "suffix"):
             files.append(loading.source_path(draft.removeprefix("hybrid:")))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from verispec.bench.prompts import prompts_path
 from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
+from verispec.drafters.load import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB
 from verispec.params import VERIFY_METHODS
 from verispec.policy import parse_k
 
@@ -39,6 +40,10 @@ class BenchConfig:
     # how a quantized GGUF target (and draft) run: "auto" (loading.weights_for), None (their own
     # bit width) or "bf16" (dequantised by transformers, as the hf-* methods always need)
     dequantize: str | None = "auto"
+    # a draft model's trimmed head (None: full) and re-quantised weights (None: the file's),
+    # as from_pretrained takes them; the hf-* methods always run the full draft
+    draft_vocab: int | None = DEFAULT_DRAFT_VOCAB
+    draft_quant: str | None = DEFAULT_DRAFT_QUANT
     seed: int = 0
     ignore_eos: bool = True  # fixed-length outputs: every method generates max_new_tokens
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example

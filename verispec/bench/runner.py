@@ -49,11 +49,13 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                                        sampled_tree_width=config.sampled_tree_width,
                                        dequantize=dequantize)
     elif draft is not None:
+        trim = {} if dense else {"draft_vocab": config.draft_vocab,
+                                 "draft_quant": config.draft_quant}
         loaded = load_draft_model(draft, model, tokenizer, dtype=config.dtype,
-                                  dequantize=dequantize)
+                                  dequantize=dequantize, **trim)
         draft_model, head_token_ids, assistant_model = (loaded.model, loaded.head_token_ids,
                                                         loaded.model)
-        if head_token_ids is not None:
+        if head_token_ids is not None and dense:
             # verispec drafts with the subset head it was trained with; transformers needs
             # full-width logits, so its assistant is the same layers with the target's full head.
             assistant_model, _ = load_draft(draft, model, tokenizer, full_head=True)
