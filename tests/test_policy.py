@@ -370,3 +370,17 @@ def test_a_draft_model_far_behind_catches_up_only_where_it_pays():
     assert predicted.catch_up_pays(prices, lag=300, remaining=256)
     free = dataclasses.replace(prices, draft_catch_up_s=0.0)  # nothing measured: no limit
     assert AdaptiveK().catch_up_pays(free, lag=3000, remaining=8)
+
+
+def test_a_new_request_starts_from_what_earlier_requests_learnt_of_a_source():
+    """Greedy requests of one decoder share acceptance by source: a new request's estimate of
+    a lookup that was accepted whole before starts high, and one that never was starts low,
+    instead of both at the fixed prior."""
+    shared = {}
+    first = AdaptiveK.for_request(AdaptiveK().config, shared=shared)
+    for _ in range(30):
+        first.update(5, 8, 8)  # five-token matches: accepted whole
+        first.update(1, 4, 0)  # one-token matches: rejected
+    second = AdaptiveK.for_request(first.config, shared=shared)
+    assert second.gamma(5) > 0.9 and second.gamma(1) < 0.2
+    assert AdaptiveK.for_request(first.config).gamma(5) == 0.5  # unshared: the prior

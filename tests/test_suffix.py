@@ -220,3 +220,17 @@ def test_bench_runs_the_suffix_method(model_folders, tmp_path):
     suffix = results["methods"]["suffix"]
     assert suffix["greedy_equal_to_baseline"] == "3/3"
     assert suffix["overall"]["new_tokens"] == 3 * 12
+
+
+def test_a_seeded_sampled_row_is_not_proposed_other_requests_text():
+    """A seeded sampled row's draws depend on its drafts: the same seed must give the same
+    output whatever requests came before, so only its own text is looked up; greedy and
+    unseeded rows get the cache's proposals."""
+    drafter = SuffixDrafter()
+    drafter.retire(torch.tensor([5, 6, 7, 8]), SamplingParams())
+    history = torch.tensor([1, 5, 6])
+    assert drafter.propose(history, 2, SamplingParams(), None).tokens.tolist() == [7, 8]
+    unseeded = SamplingParams(temperature=0.8)
+    assert drafter.propose(history, 2, unseeded, None).tokens.tolist() == [7, 8]
+    seeded = SamplingParams(temperature=0.8, seed=3)
+    assert len(drafter.propose(history, 2, seeded, None)) == 0

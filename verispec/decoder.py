@@ -92,6 +92,10 @@ class SpeculativeDecoder:
         # cost models by batch size: measured on first use, estimated, or read from the cost
         # cache (verispec.cost_table); one table, so that `share_costs` shares them all
         self.cost_table = CostTable(self.target, drafter, self.config, model_files, costs)
+        # acceptance by source over this decoder's greedy requests: where a new one's
+        # estimates start (`AdaptiveK.shared`). Greedy rows only: a seeded sampled row's draws
+        # depend on its K, and must not depend on the requests before it.
+        self.shared_estimates: dict = {}
 
     @property
     def costs(self) -> CostModel:
@@ -130,7 +134,9 @@ class SpeculativeDecoder:
             _ = self.costs  # measured once, before any request is timed
             params = params or SamplingParams()
             return AdaptiveK.for_request(self.config, sampling=not params.greedy,
-                                         predicted=predicted)
+                                         predicted=predicted,
+                                         shared=self.shared_estimates
+                                         if params.greedy else None)
         if k == "heuristic":
             return HeuristicK(k=self.config.heuristic_start_k)
         return FixedK(k)
@@ -150,14 +156,14 @@ class SpeculativeDecoder:
         sampled_tree_width: int = 1,
         config: DecodeConfig | None = None,
         dequantize: str | None = "auto",
+        draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+        draft_quant: str | None = DEFAULT_DRAFT_QUANT,
     ) -> SpeculativeDecoder:
         """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
         draft: "default" (a draft shipped for the target, with lookup; else n-gram lookup),
         "hybrid:PATH", "ngram", "suffix" (lookup over earlier requests too), a draft model
         folder/.gguf sharing the target's tokenizer, or None
         (plain decoding). k: "auto" (default: chosen each round from measured costs and the running
-        draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
-        draft_quant: str | None = DEFAULT_DRAFT_QUANT,
         acceptance rate), a fixed number of draft tokens per round, or "heuristic"
         (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
         Llama-family models, transformers otherwise), "native" or "hf". dtype: "auto" (bfloat16

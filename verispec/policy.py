@@ -159,13 +159,19 @@ class AdaptiveK:
     # propose most of its rounds.
     model_rounds: AcceptanceEstimate = field(
         default_factory=lambda: AcceptanceEstimate(prior=1.0))
+    # Acceptance by source over the decoder's earlier requests (shared by their policies, one
+    # table per kind of row): a new request's estimate of a source starts from it instead of
+    # the fixed prior, so a short request already trusts the long lookups others found good.
+    shared: dict[int, AcceptanceEstimate] | None = None
 
     @classmethod
     def for_request(cls, config: DecodeConfig, sampling: bool = False,
-                    predicted: bool = False) -> AdaptiveK:
+                    predicted: bool = False,
+                    shared: dict[int, AcceptanceEstimate] | None = None) -> AdaptiveK:
         """A request's policy; predicted: it brings a prediction, expected to propose most of
-        its rounds (a quarter left to its draft model, until its rounds say otherwise)."""
-        policy = cls(config, sampling=sampling)
+        its rounds (a quarter left to its draft model, until its rounds say otherwise);
+        shared: the decoder's acceptance by source over earlier requests (`shared_estimates`)."""
+        policy = cls(config, sampling=sampling, shared=shared)
         if predicted:
             policy.model_rounds = AcceptanceEstimate(prior=0.25)
         return policy
@@ -193,8 +199,12 @@ class AdaptiveK:
         for other, estimate in self.estimates.items():
             if other != source:
                 estimate.idle += 1
-        self._estimate(source).update(min(num_accepted + 1, num_drafted), num_accepted)
+        checked = min(num_accepted + 1, num_drafted)
+        self._estimate(source).update(checked, num_accepted)
         self.model_rounds.update(1, int(source == 0))
+        if self.shared is not None and checked:
+            self.shared.setdefault(source, shared_estimate(self._prior(source))).update(
+                checked, num_accepted)
 
     def catch_up_pays(self, prices: CostModel | None, lag: int, remaining: int) -> bool:
         """Whether a draft model `lag` tokens behind the row (a prompt it has not read, or what
@@ -257,13 +267,25 @@ class AdaptiveK:
             return 1
         return k
 
+    def _prior(self, source: int) -> float:
+        """A source's estimate before this request's evidence: source 0 the draft model's,
+        others lookups' (and a prediction's)."""
+        return self.config.draft_prior if source == 0 else 0.5
+
     def _estimate(self, source: int) -> AcceptanceEstimate:
-        if source not in self.estimates:  # source 0: the draft model's; others: lookups'
-            prior = self.config.draft_prior if source == 0 else 0.5
+        if source not in self.estimates:
+            prior = self._prior(source)
+            if self.shared is not None and source in self.shared:
+                prior = min(max(self.shared[source].gamma, 0.01), 0.99)
             self.estimates[source] = AcceptanceEstimate(prior, self.config.prior_weight,
                                                         self.config.estimate_decay,
                                                         idle=self.config.probe_every)
         return self.estimates[source]
+
+
+def shared_estimate(prior: float) -> AcceptanceEstimate:
+    """A source's acceptance over many requests: a slow decay (the last ~100 rounds)."""
+    return AcceptanceEstimate(prior, prior_weight=2.0, decay=0.99)
 
 
 # The acceptance a probe is priced at: a source that would not pay even at this is never tried.

@@ -84,12 +84,20 @@ class SuffixDrafter:
             return empty_draft()
         # 1. The request's own text: the most recent earlier occurrence of its end.
         end, own = self.own.match(history)
-        # 2. The scope's earlier requests: the longest match, its most frequent continuation.
+        # 2. The scope's earlier requests: the longest match, its most frequent continuation
+        #    (not for a seeded sampled row: its draws depend on its drafts, and the same seed
+        #    must give the same output whatever requests came before).
+        if not params.greedy and params.seed is not None:
+            return self._own(history, end, own, k)
         cached = self.cache.propose(params.lookup_scope, history[-self.context:].tolist(), k,
                                     self.min_probability)
         if cached.tokens and cached.matched >= self.min_match and cached.matched > own:
             return Draft(torch.tensor(cached.tokens, dtype=torch.long), None,
                          source=min(cached.matched, self.max_match))
-        if own == 0:
+        return self._own(history, end, own, k)
+
+    def _own(self, history: torch.Tensor, end: int, matched: int, k: int) -> Draft:
+        """What followed the own text's match (`matched` tokens ending at `end`)."""
+        if matched == 0:
             return empty_draft()
-        return Draft(history[end + 1:end + 1 + k].clone(), None, source=own)
+        return Draft(history[end + 1:end + 1 + k].clone(), None, source=matched)
