@@ -108,7 +108,8 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
                 token = greedy_tokens(row_logits).cpu()  # [1]
                 cut = None if cuts is None else cuts[i]
                 if cut is not None:  # 3. a chain the drafter is no longer sure of stops
-                    sure = float(torch.softmax(row_logits[0].float(), -1)[token[0]])
+                    row = row_logits[0].float()  # its top token's probability, no [V] copy
+                    sure = float((row[token[0]] - torch.logsumexp(row, -1)).exp())
                     confidence[i].append(sure * (confidence[i][-1] if confidence[i] else 1.0))
                     if not cut.keeps(confidence[i]):
                         ks[i] = step
