@@ -6,7 +6,12 @@ import json
 import subprocess
 import sys
 
+import torch
+
+from verispec import SpeculativeDecoder
 from verispec.cli import main
+from verispec.runtime import HFRunner
+from verispec.runtime.native import NativeRunner
 
 STAT_FIELDS = {"target_forwards", "drafted", "checked", "accepted", "acceptance_rate",
                "per_position_acceptance", "tokens_per_forward", "expected_tokens", "wall_s",
@@ -28,12 +33,32 @@ def test_json_output_and_ngram_equals_plain(capsys, model_folders):
     assert plain["stats"]["drafted"] == 0 and plain["stats"]["tokens_per_forward"] == 1.0
 
 
-def test_runtime_flags(capsys, model_folders):
+def test_runtime_flags(capsys, model_folders, monkeypatch):
+    """--runtime, --dtype and --int8 reach the engine: the decoder the command builds runs the
+    runtime, dtype and weights asked for, and the float32 runtimes agree on greedy output."""
+    built = []
+    from_pretrained = SpeculativeDecoder.from_pretrained.__func__
+
+    def keep(cls, *args, **kwargs):
+        built.append(from_pretrained(cls, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(SpeculativeDecoder, "from_pretrained", classmethod(keep))
     common = ["abcabc", "--target", str(model_folders / "target"), "--draft", "ngram",
-              "--max-new-tokens", "12", "--ignore-eos"]
-    for flags in (["--runtime", "hf"], ["--runtime", "native", "--dtype", "float32"],
-                  ["--runtime", "native", "--int8"]):
-        assert len(run_json(capsys, *common, *flags)["token_ids"]) == 12
+              "--max-new-tokens", "12", "--ignore-eos", "--temperature", "0"]
+    outputs = {}
+    for name, flags in (("hf", ["--runtime", "hf"]),
+                        ("native float32", ["--runtime", "native", "--dtype", "float32"]),
+                        ("native int8", ["--runtime", "native", "--int8"])):
+        outputs[name] = run_json(capsys, *common, *flags)["token_ids"]
+        assert len(outputs[name]) == 12
+    hf, native32, int8 = (decoder.target for decoder in built)
+    assert isinstance(hf, HFRunner) and hf.model.dtype == torch.float32
+    assert isinstance(native32, NativeRunner) and isinstance(int8, NativeRunner)
+    assert native32.model.dtype == torch.float32 and native32.model.lm_head.scales is None
+    assert int8.model.dtype == torch.bfloat16 and int8.model.lm_head.scales is not None
+    assert "int8 weights" in int8.describe() and "int8" not in native32.describe()
+    assert outputs["native float32"] == outputs["hf"]
     assert main(["generate", *common, "--runtime", "hf", "--int8"]) == 2
     assert "native runtime" in capsys.readouterr().err
 

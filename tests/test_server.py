@@ -339,10 +339,25 @@ def test_load_test_percentiles_are_nearest_rank():
     assert [percentile(values, q) for q in (1, 50, 90, 99, 100)] == [1.0, 2.0, 4.0, 4.0, 4.0]
 
 
-def test_a_full_queue_answers_429_at_once(decoder, slow_rounds):
+def test_a_full_queue_answers_429_at_once(decoder, monkeypatch):
+    """With one request running and one waiting, a third is answered 429 while the engine's
+    round is held: the answer waits for no round and no free slot. (No round runs before the
+    second request is in, so the first cannot finish early on a fast machine.)"""
+    held, step = threading.Event(), Scheduler.step
+
+    def held_step(scheduler):
+        if held.is_set():
+            return step(scheduler)
+        if len(scheduler.running) + len(scheduler.waiting) < 2:
+            time.sleep(0.001)  # no round yet: back to the engine's commands
+            return []
+        assert held.wait(60), "the round was never let go"
+        return step(scheduler)
+
+    monkeypatch.setattr(Scheduler, "step", held_step)
     app = create_app(decoder, MODEL, ServerConfig(max_batch=1, max_queue=1))
     with running(app) as base:
-        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)
         body = {"model": MODEL, "prompt": "abc", "max_tokens": LONG, "stream": True,
                 "ignore_eos": True}
         with httpx.Client() as http, contextlib.ExitStack() as streams:
@@ -350,11 +365,13 @@ def test_a_full_queue_answers_429_at_once(decoder, slow_rounds):
                 response = streams.enter_context(http.stream("POST", f"{base}/v1/completions",
                                                              json=body))
                 assert response.status_code == 200
-            started = time.monotonic()
-            with pytest.raises(openai.RateLimitError) as err:
-                client.completions.create(model=MODEL, prompt="one more", max_tokens=2)
-            assert time.monotonic() - started < 2
-            assert err.value.body["code"] == "queue_full"
+            try:
+                with pytest.raises(openai.RateLimitError) as err:
+                    client.completions.create(model=MODEL, prompt="one more", max_tokens=2)
+                assert not held.is_set() and app.state.engine.outstanding == 2
+                assert err.value.body["code"] == "queue_full"
+            finally:
+                held.set()
         # both streams were closed: their slots are free again
         assert wait_until(lambda: app.state.engine.outstanding == 0)
         assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2)

@@ -111,17 +111,25 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize(("name", "fields", "endpoint", "status", "param"), BAD_INPUTS,
                          ids=[case[0] for case in BAD_INPUTS])
-def test_bad_input_is_refused_at_submission(url, app, name, fields, endpoint, status, param):
+def test_bad_input_is_refused_at_submission(url, app, name, fields, endpoint, status, param,
+                                            monkeypatch):
+    engine, submitted = app.state.engine, []
+    submit = engine.submit
+
+    async def counted(*args, **kwargs):
+        submitted.append(args)
+        return await submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", counted)
     body = {"model": MODEL, "prompt": "hi", **fields}
     if endpoint == "chat":
         body.pop("prompt")
-    response, seconds = post(url, body, "/v1/chat/completions" if endpoint == "chat"
-                             else "/v1/completions")
+    response, _ = post(url, body, "/v1/chat/completions" if endpoint == "chat"
+                       else "/v1/completions")
     error = response.json()["error"]
     assert response.status_code == status, error
     assert error["type"] == "invalid_request_error" and error["param"].startswith(param)
-    assert seconds < 2
-    assert app.state.engine.outstanding == 0  # nothing reached the engine
+    assert submitted == [] and engine.outstanding == 0  # refused before the engine
 
 
 def test_a_lone_surrogate_keeps_the_connection(url):
@@ -207,26 +215,20 @@ def test_a_failed_row_fails_alone(url, decoder, monkeypatch):
 
 
 def test_a_20_mb_prompt_is_refused_at_once_and_delays_no_one(url):
+    """The server answers from the Content-Length, before the body: the 413 comes back while
+    only the body's first bytes were sent, and a small request made while that upload stands
+    half-sent completes (with the answer it gets alone) before the upload goes on or the 413 is
+    read."""
     small = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}
-    _, alone_s = post(url, small)
-    timings: dict[str, float] = {}
-
-    def small_request() -> None:
-        response, timings["small"] = post(url, small)
-        assert response.status_code == 200
-
-    thread = threading.Thread(target=small_request)
-    thread.start()
-    # The server answers from the Content-Length, before the body: time that alone ...
-    started = time.perf_counter()
-    with socket.create_connection((urlsplit(url).hostname, urlsplit(url).port)) as sock:
+    expected, _ = post(url, small)
+    with socket.create_connection((urlsplit(url).hostname, urlsplit(url).port),
+                                  timeout=30) as sock:
         sock.sendall(raw_post("/v1/completions", b"")[:-len(b"content-length: 0\r\n\r\n")] +
                      b"content-length: 20000000\r\n\r\n" + b'{"model": "tiny", "prompt": "')
+        response, _ = post(url, small)  # the upload stands, 20 MB short
+        assert response.status_code == 200
+        assert response.json()["choices"] == expected.json()["choices"]
         assert sock.makefile("rb").readline().startswith(b"HTTP/1.1 413")
-    timings["huge"] = time.perf_counter() - started
-    thread.join()
-    assert timings["huge"] < 0.5
-    assert timings["small"] < alone_s + 1.0
     # ... and a client that uploads it all still reads the 413, not a reset connection.
     huge = json.dumps({"model": MODEL, "prompt": "x" * 20_000_000}).encode()
     response = httpx.post(f"{url}/v1/completions", content=huge, headers=AUTH, timeout=30)
@@ -247,9 +249,9 @@ def test_an_upload_without_length_is_cut_at_the_limit(decoder):
 
 def test_a_long_text_is_refused_before_tokenising(url, monkeypatch):
     monkeypatch.setattr(Prompts, "_encode", lambda *args: pytest.fail("tokenised"))
-    response, seconds = post(url, {"model": MODEL, "prompt": "x" * 1_000_000})
+    response, _ = post(url, {"model": MODEL, "prompt": "x" * 1_000_000})
     assert response.status_code == 400 and "cannot fit" in response.json()["error"]["message"]
-    assert response.json()["error"]["code"] == "context_length_exceeded" and seconds < 1.0
+    assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_the_api_key_guards_v1_and_not_health(url):
