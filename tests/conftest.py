@@ -179,3 +179,37 @@ def chi2_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
     expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
     keep = expected > 0
     return chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue
+
+
+def replay_verification(monkeypatch) -> list[tuple[list[int], list[int], bool]]:
+    """Wrap the engine's `verify_rows` so that every row of every call is verified again by the
+    padded reference (tests/padded_verify.py: `block_verify` or `rejection_sample`, by the
+    row's method) on the same draft, probabilities and target rows, from the state the row's
+    generator had before the call. Returns a list that fills with, per row and call: (the
+    tokens the engine's call emitted, the reference's, whether both generators ended in the
+    same state: the engine drew exactly the reference's draws)."""
+    from padded_verify import block_verify, rejection_sample
+
+    import verispec.verify.batch as batch
+
+    references = {"block": block_verify, "token": rejection_sample}
+    replays: list[tuple[list[int], list[int], bool]] = []
+    real = batch.verify_rows
+
+    def replaying(draft_tokens, cu_num_draft, draft_probs, target_probs, rows):
+        before = [row.generator.get_state() for row in rows]
+        emitted, _ = real(draft_tokens, cu_num_draft, draft_probs, target_probs, rows)
+        for b, row in enumerate(rows):
+            start, end = int(cu_num_draft[b]), int(cu_num_draft[b + 1])
+            probs = draft_probs[start:end][None] if row.draft_has_probs else None
+            generator = torch.Generator()
+            generator.set_state(before[b])
+            tokens, accepted = references[row.method](
+                draft_tokens[start:end][None], probs, target_probs[start + b:end + b + 1][None],
+                generator)
+            replays.append((emitted[b], tokens[0, :int(accepted[0]) + 1].tolist(),
+                            torch.equal(generator.get_state(), row.generator.get_state())))
+        return emitted, _
+
+    monkeypatch.setattr(batch, "verify_rows", replaying)
+    return replays

@@ -6,11 +6,11 @@ from fractions import Fraction
 import pytest
 import torch
 from conftest import chi2_pvalue
+from padded_verify import block_verify, rejection_sample
 
-from verispec import verify as verify_module
 from verispec.sampling import sample
 from verispec.theory import expected_accepted, round_law
-from verispec.verify import PAD_TOKEN, block_verify, rejection_sample
+from verispec.verify import PAD_TOKEN, chains
 
 TOY_TARGET = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)  # Sun et al.'s toy case
 TOY_DRAFT = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
@@ -66,12 +66,12 @@ def test_padding_past_a_rows_length_changes_nothing():
         padded_target = target.clone()
         padded_target[:, length + 1:] = 0.0
         for seed in range(30):
-            coins, next_uniform = verify_module._uniforms(1, 4, torch.Generator().manual_seed(seed),
+            coins, next_uniform = chains.uniforms(1, 4, torch.Generator().manual_seed(seed),
                                                           torch.device("cpu"))
-            alone = verify_module._block(draft_tokens[:, :length], draft[:, :length],
+            alone = chains.block(draft_tokens[:, :length], draft[:, :length],
                                          target[:, : length + 1], torch.tensor([length]),
                                          coins[:, :length], next_uniform)
-            padded = verify_module._block(padded_tokens, draft, padded_target,
+            padded = chains.block(padded_tokens, draft, padded_target,
                                           torch.tensor([length]), coins, next_uniform)
             assert torch.equal(alone[1], padded[1])
             assert torch.equal(alone[0], padded[0][:, : length + 1])
@@ -163,12 +163,12 @@ def test_deterministic_draft_output_law_is_the_targets():
 
 def test_negative_control_unscaled_h_fails_the_same_test(monkeypatch):
     """Power: h_i from Z_i computed with p(x | x_<=i) unscaled by p_i must be detected."""
-    original = verify_module._residual_mass
+    original = chains._residual_mass
 
     def unscaled(weight, *args):
         return original(torch.ones_like(weight), *args)
 
-    monkeypatch.setattr(verify_module, "_residual_mass", unscaled)
+    monkeypatch.setattr(chains, "_residual_mass", unscaled)
     target, draft = tables(0), tables(10)
     counts = first_three(block_verify, target, draft, 0)
     assert chi2_pvalue(counts, exact_first_three(target)) < 1e-6

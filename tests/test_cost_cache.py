@@ -88,7 +88,7 @@ def test_what_changes_a_measurement_is_measured_again(runner, model_file, measur
         stat = model_file.stat()
         os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     elif change == "version":
-        monkeypatch.setattr(cost_cache.importlib.metadata, "version", lambda name: "99.0")
+        monkeypatch.setattr(cost_cache, "installed_version", lambda: "99.0")
     elif change == "sources":
         monkeypatch.setattr(cost_cache, "sources_hash", lambda: "edited")
     elif change == "kernels":

@@ -8,6 +8,8 @@ reject, while the same test must reject an engine whose verifier accepts every d
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import (
@@ -16,11 +18,11 @@ from conftest import (
     exact_joint,
     first_two_counts,
     perturbed_copy,
+    replay_verification,
     tiny_llama,
 )
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec import scheduler as scheduler_module
 from verispec.drafters import ModelDrafter, NgramDrafter
 
 V = 8
@@ -69,7 +71,7 @@ def test_negative_control_always_accept_is_detected(target, draft, monkeypatch):
     target_joint = exact_joint(target, PROMPT, params)
     draft_joint = exact_joint(draft, PROMPT, params)
     assert 0.5 * (target_joint - draft_joint).abs().sum() > 0.1
-    monkeypatch.setattr(scheduler_module, "verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.batch.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V), k=3)
     assert chi2_pvalue(sampled_joint(decoder, params), target_joint) < 1e-6
 
@@ -82,7 +84,21 @@ def test_identical_draft_is_always_accepted(target):
     assert out.stats.tokens_per_forward == pytest.approx(40 / 8)  # 5 tokens per round
 
 
-def test_same_seed_same_output(target, draft):
+def test_a_seeded_output_is_what_the_reference_verifier_draws_round_by_round(target, draft,
+                                                                           monkeypatch):
+    """Every round's tokens are what the padded reference verification (block, the default)
+    gives on that round's draft and target rows from the row's generator as it stood, the
+    engine draws exactly the reference's draws, and the output is those tokens in order. A
+    second decoder given the same seed after other requests reproduces it."""
+    replays = replay_verification(monkeypatch)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V), k=3)
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=123, ignore_eos=True)
-    assert decoder.generate(PROMPT, params).token_ids == decoder.generate(PROMPT, params).token_ids
+    out = decoder.generate(PROMPT, params).token_ids
+    assert len(replays) > 1 and all(engine == reference and same_draws
+                                    for engine, reference, same_draws in replays)
+    emitted = [token for engine, _, _ in replays for token in engine]
+    assert emitted[:len(out)] == out and len(out) == 30 and len(emitted) - len(out) <= 3
+    assert sum(len(engine) - 1 for engine, _, _ in replays) > 0  # drafts were accepted
+    other = SpeculativeDecoder(target, None, ModelDrafter(draft, V), k=3)
+    other.generate(PROMPT, dataclasses.replace(params, seed=5))
+    assert other.generate(PROMPT, params).token_ids == out

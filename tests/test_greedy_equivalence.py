@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import EOS_ID, perturbed_copy, tiny_gpt2
+from conftest import EOS_ID, perturbed_copy, replay_verification, tiny_gpt2
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import ModelDrafter, NgramDrafter
@@ -70,7 +72,23 @@ def test_eos_and_budget_cut_rounds_identically(text_target, tokenizer):
             assert got.finish_reason == expected.finish_reason
 
 
-def test_sampled_output_with_same_seed_is_reproducible(text_target, tokenizer):
-    spec = SpeculativeDecoder(text_target, tokenizer, drafters(text_target)["noisy-copy"], k=4)
-    params = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7)
-    assert spec.generate("abc", params).token_ids == spec.generate("abc", params).token_ids
+def test_sampled_output_is_what_the_reference_verifier_draws(text_target, tokenizer,
+                                                             monkeypatch):
+    """Sampled (top-p, token-wise verification): each round's tokens are the padded reference's
+    on that round's draft and warped target rows from the row's generator as it stood, with
+    exactly its draws, and the output is those tokens in order; another decoder on the same
+    drafter reproduces it for the seed after serving another seed."""
+    replays = replay_verification(monkeypatch)
+    noisy_copy = drafters(text_target)["noisy-copy"]
+    spec = SpeculativeDecoder(text_target, tokenizer, noisy_copy, k=4)
+    params = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7,
+                            verify="token")
+    out = spec.generate("abc", params).token_ids
+    assert len(replays) > 1 and all(engine == reference and same_draws
+                                    for engine, reference, same_draws in replays)
+    emitted = [token for engine, _, _ in replays for token in engine]
+    assert emitted[:len(out)] == out and len(emitted) - len(out) <= 4
+    assert sum(len(engine) - 1 for engine, _, _ in replays) > 0  # drafts were accepted
+    other = SpeculativeDecoder(text_target, tokenizer, noisy_copy, k=4)  # its cache as left
+    other.generate("abc", dataclasses.replace(params, seed=8))
+    assert other.generate("abc", params).token_ids == out

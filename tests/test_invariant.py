@@ -6,10 +6,11 @@ import random
 import pytest
 import torch
 from conftest import chi2_pvalue
+from padded_verify import invariant_verify
 
 from verispec.sampling import _mix64_, invariant_sample, position_noise, wrap_int64
 from verispec.theory import gumbel_agreement
-from verispec.verify import PAD_TOKEN, invariant_verify, invariant_verify_tree
+from verispec.verify import PAD_TOKEN, invariant_verify_tree
 
 V = 5
 PROMPT_LENGTH = 7  # the first generated token is at absolute position 7

@@ -4,6 +4,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from padded_verify import rejection_sample
 
 from verispec.theory import (
     batch_allocation,
@@ -16,7 +17,6 @@ from verispec.theory import (
     round_law,
     sampled_acceptance,
 )
-from verispec.verify import rejection_sample
 
 
 def test_expected_tokens_formula_values():

@@ -2,16 +2,13 @@
 
 import pytest
 import torch
+from padded_verify import block_verify, greedy_verify, invariant_verify, rejection_sample
 from scipy.stats import chisquare
 
 from verispec.verify import (
     PAD_TOKEN,
     RowVerification,
-    block_verify,
-    greedy_verify,
     greedy_verify_tree,
-    invariant_verify,
-    rejection_sample,
     rejection_sample_tree,
     residual,
     verify_rows,
@@ -233,11 +230,49 @@ def test_distance_to_target_shrinks_with_samples():
     assert distances[2] < 0.01
 
 
-def test_seeded_determinism():
+def textbook_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
+    """Token-wise rejection sampling written out row by row, from the draws the verifier
+    takes in order (coins [B, K] float32, then one float64 uniform per row): accept x_i while
+    coin * q(x_i) < p(x_i); the next token is the first whose cumulative mass of
+    max(0, p - q) (after a rejection) or of p (after K accepted) exceeds uniform * its sum."""
+    batch, k = draft_tokens.shape
+    coins = torch.rand((batch, k), generator=generator).tolist()
+    uniform = torch.rand((batch, 1), generator=generator, dtype=torch.float64)[:, 0].tolist()
+    rows = []
+    for b in range(batch):
+        p, q, x = target_probs[b].tolist(), draft_probs[b].tolist(), draft_tokens[b].tolist()
+        accepted = 0
+        while accepted < k and coins[b][accepted] * q[accepted][x[accepted]] < \
+                p[accepted][x[accepted]]:
+            accepted += 1
+        mass = p[accepted] if accepted == k else [max(0.0, a - c) for a, c in
+                                                  zip(p[accepted], q[accepted], strict=True)]
+        bound, cumulative, token = uniform[b] * sum(mass), 0.0, len(mass) - 1
+        for index, value in enumerate(mass):
+            cumulative += value
+            if cumulative > bound:
+                token = index
+                break
+        rows.append(x[:accepted] + [token] + [PAD_TOKEN] * (k - accepted))
+    return rows
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_a_seeds_draws_give_the_textbook_algorithms_tokens(seed):
+    """The tokens for a seed are those the algorithm written out by hand gives from that
+    seed's draws, row for row: the output depends on the seed alone, drawn in a stated order."""
     draft, target = random_pair(9)
-    first = emitted_first_tokens(rejection_sample, draft, target, 11)
-    again = emitted_first_tokens(rejection_sample, draft, target, 11)
-    assert torch.equal(first, again)
+    rows = 2_000
+    draft_tokens = torch.multinomial(draft, rows, replacement=True,
+                                     generator=torch.Generator().manual_seed(seed)).T
+    draft_probs, target_probs = draft.expand(rows, -1, -1), target.expand(rows, -1, -1)
+    tokens, accepted = rejection_sample(draft_tokens, draft_probs, target_probs,
+                                        torch.Generator().manual_seed(seed))
+    expected = textbook_rejection_sample(draft_tokens, draft_probs, target_probs,
+                                         torch.Generator().manual_seed(seed))
+    assert tokens.tolist() == expected
+    assert accepted.tolist() == [sum(t != PAD_TOKEN for t in row) - 1 for row in expected]
+    assert int((accepted == 0).sum()) > 0 and int((accepted == 3).sum()) > 0  # both ends
 
 
 # --- Sampled token trees ------------------------------------------------------------------------

@@ -5,21 +5,20 @@ its two-level draw; the output law by Monte Carlo, with a control that must fail
 import pytest
 import torch
 from conftest import chi2_pvalue
+from padded_verify import _flat, block_verify, rejection_sample
 from test_block_verify import draft_round, exact_first_three, first_three, tables
 
-from verispec import verify as verify_module
-from verispec import verify_native
-from verispec.verify import block_verify, rejection_sample, verify_rows
+from verispec.verify import RowVerification, chains, native, verify_rows
 
 
 @pytest.fixture(autouse=True)
 def built():
     """The library, built on first use (never at collection); skipped where it cannot build."""
-    if verify_native.load() is None:
+    if native.load() is None:
         pytest.skip("the C++ chain verifier does not build here")
 
 
-REFERENCE = {"token": verify_module._token_wise, "block": verify_module._block}
+REFERENCE = {"token": chains.token_wise, "block": chains.block}
 
 
 def random_case(seed, rows, width, vocab, point_mass=False, sharp=3.0):
@@ -37,10 +36,10 @@ def random_case(seed, rows, width, vocab, point_mass=False, sharp=3.0):
 
 def both(method, tokens, draft, target, lengths, seed):
     """(native, reference) results of one group with the same uniforms."""
-    coins, next_uniform = verify_module._uniforms(*tokens.shape, torch.Generator().manual_seed(
+    coins, next_uniform = chains.uniforms(*tokens.shape, torch.Generator().manual_seed(
         seed), torch.device("cpu"))
-    native = verify_module._chains(method, tokens, lengths, coins, next_uniform,
-                                   *verify_module._flat(draft, target))
+    native = chains.verify_chains(method, tokens, lengths, coins, next_uniform,
+                                   *_flat(draft, target))
     reference = REFERENCE[method](tokens, draft, target, lengths, coins, next_uniform)
     return native, reference
 
@@ -114,7 +113,7 @@ def test_a_draft_token_outside_the_vocabulary_is_a_clear_error():
         block_verify(torch.tensor([[1, 8]]), None, target)
     with pytest.raises(ValueError, match=r"draft tokens must be in \[0, 8\)"):
         verify_rows(torch.tensor([-2]), [0, 1], None, target[0, :2],
-                    [verify_module.RowVerification("token", torch.Generator())])
+                    [RowVerification("token", torch.Generator())])
 
 
 def test_verify_rows_reads_ragged_rows_in_place_as_the_reference_gathers_them(monkeypatch):
@@ -132,16 +131,16 @@ def test_verify_rows_reads_ragged_rows_in_place_as_the_reference_gathers_them(mo
     methods = ["block", "token", "block", "greedy", "token"]
 
     def run():
-        rows = [verify_module.RowVerification(method, torch.Generator().manual_seed(10 + b))
+        rows = [RowVerification(method, torch.Generator().manual_seed(10 + b))
                 for b, method in enumerate(methods)]
         return verify_rows(tokens, offsets, draft, target, rows)
 
     for _ in range(30):
-        native = run()
-        monkeypatch.setattr(verify_native, "runs", lambda *tensors: False)
+        compiled = run()
+        monkeypatch.setattr(native, "runs", lambda *tensors: False)
         reference = run()
         monkeypatch.undo()
-        assert native == reference
+        assert compiled == reference
         other = torch.randint(0, vocab, (offsets[-1],), generator=generator)
         tokens = torch.where(torch.rand(offsets[-1], generator=generator) < 0.3, other, tokens)
 
@@ -172,10 +171,10 @@ def test_negative_control_draft_rows_off_by_one_position_fail():
 
     def misread(draft_tokens, draft_probs, target_probs, generator):
         rows, width = draft_tokens.shape
-        coins, next_uniform = verify_module._uniforms(rows, width, generator, torch.device("cpu"))
-        flat_target, target_at, flat_draft, draft_at = verify_module._flat(
+        coins, next_uniform = chains.uniforms(rows, width, generator, torch.device("cpu"))
+        flat_target, target_at, flat_draft, draft_at = _flat(
             draft_probs.float().contiguous(), target_probs.float().contiguous())
-        tokens, _, _ = verify_module._chains(
+        tokens, _, _ = chains.verify_chains(
             "block", draft_tokens, torch.full((rows,), width), coins, next_uniform, flat_target,
             target_at, flat_draft, draft_at.roll(1, dims=1))
         return tokens, None
@@ -186,8 +185,8 @@ def test_negative_control_draft_rows_off_by_one_position_fail():
 
 def test_the_float32_path_runs_natively_in_these_tests(monkeypatch):
     calls = []
-    original = verify_native.verify_chains
-    monkeypatch.setattr(verify_native, "verify_chains",
+    original = native.verify_chains
+    monkeypatch.setattr(native, "verify_chains",
                         lambda *args: calls.append(args[0]) or original(*args))
     draft_tokens, draft_probs, target_probs, generator = draft_round(tables(0), tables(1), 0)
     block_verify(draft_tokens[:10], draft_probs[:10].float(), target_probs[:10].float(),

@@ -9,6 +9,7 @@
 from verispec.decoder import GenerationOutput, SpeculativeDecoder, StreamChunk
 from verispec.params import SamplingParams
 from verispec.stats import GenerationStats
+from verispec.version import installed_version
 
 __all__ = [
     "GenerationOutput",
@@ -17,4 +18,4 @@ __all__ = [
     "SpeculativeDecoder",
     "StreamChunk",
 ]
-__version__ = "0.1.0"
+__version__ = installed_version()

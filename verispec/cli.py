@@ -12,10 +12,12 @@ from pathlib import Path
 from verispec.bench.config import ALL_METHODS, DEFAULT_METHODS
 from verispec.config import DEFAULT_TREE_WIDTH
 from verispec.errors import VerispecError
+from verispec.version import installed_version
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"verispec {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text for one prompt")

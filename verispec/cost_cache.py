@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ import torch
 
 from verispec import cpu, kernel_build
 from verispec.costs import CostModel
+from verispec.version import installed_version
 
 log = logging.getLogger("verispec")
 
@@ -64,15 +64,7 @@ def machine_key() -> dict:
     return {"cpu": cpu.model_name(), "cpu_flags": cpu.kernel_flags(),
             "kernels": setting.ceiling if setting.enabled else "off",
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "verispec": verispec_version(), "sources": sources_hash()}
-
-
-def verispec_version() -> str:
-    """The installed verispec's version ("unknown" when it runs from a bare source tree)."""
-    try:
-        return importlib.metadata.version("verispec")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+            "verispec": installed_version(), "sources": sources_hash()}
 
 
 @functools.cache

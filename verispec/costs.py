@@ -22,7 +22,7 @@ from verispec.drafters.batch import propose_batch
 from verispec.params import SamplingParams
 from verispec.runtime import batched_logits
 from verispec.sampling import sample, warp
-from verispec.verify import rejection_sample
+from verispec.verify import RowVerification, verify_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,11 +254,12 @@ def sampled_verify_time(vocab_size: int, repeats: int) -> float:
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0)
     logits = torch.randn(2, vocab_size, generator=generator)  # [2, V]
-    draft_probs = torch.softmax(torch.randn(1, 1, vocab_size, generator=generator), -1)
-    tokens = torch.randint(0, vocab_size, (1, 1), generator=generator)
+    draft_probs = torch.softmax(torch.randn(1, vocab_size, generator=generator), -1)  # [1, V]
+    tokens = torch.randint(0, vocab_size, (1,), generator=generator)  # [1]
+    row = [RowVerification("token", generator)]
     plain, drafted = fastest([
         lambda: sample(warp(logits[:1], params), generator),
-        lambda: rejection_sample(tokens, draft_probs, warp(logits[None], params), generator)],
+        lambda: verify_rows(tokens, [0, 1], draft_probs, warp(logits, params), row)],
         repeats)
     return max(0.0, drafted - plain)
 

@@ -4,7 +4,7 @@ Three families of kernels are compiled on first use with the system compiler, ea
 - the native runtime's bfloat16 stack (runtime/native/kernels.cpp: a torch extension);
 - the quantised kernels for GGUF weights, one module per instruction-set path
   (quant/kernels/: torch extensions);
-- the chain verifier (verify_native.cpp: a plain shared library loaded with ctypes).
+- the chain verifier (verify/native.cpp: a plain shared library loaded with ctypes).
 
 One builder serves them all: a build lands in `cache_folder("kernels", ...)` under a key made
 of its sources (headers included), flags, the compiler's version and torch's, so a process never

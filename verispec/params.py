@@ -21,7 +21,7 @@ class SamplingParams:
 
     verify chooses how a sampled draft is verified (greedy decoding ignores it: it matches
     argmaxes, and its output is already the same whatever the drafter):
-      "block" (default)  block verification (verify.block_verify) for chains with draft
+      "block" (default)  block verification (verify.chains.block) for chains with draft
             probabilities: the same law as "token", never fewer accepted tokens on average. A
             draft without probabilities (n-gram lookup, predictions) has q a point mass on each
             token, and there block and token-wise verification have the same law of accepted
@@ -29,7 +29,7 @@ class SamplingParams:
             trees keep their multi-candidate rule (verify.rejection_sample_tree): block
             verification is defined for one chain, and a tree's siblings already recover what a
             rejected child loses.
-      "token"  token-wise rejection sampling (verify.rejection_sample).
+      "token"  token-wise rejection sampling (verify.chains.token_wise).
       "invariant"  drafter-invariant sampling: plain decoding and every drafter draw with noise
             keyed by (seed, absolute position), so the output is token for token the output of
             plain sampling with this seed, alone or in any batch, with any drafter or K. It
@@ -89,6 +89,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def method(self) -> str:
+        """How this row's drafts are verified: "greedy" (argmax matching) at temperature 0,
+        else `verify`."""
+        return "greedy" if self.greedy else self.verify
 
 
 def _is_int(value: object) -> bool:

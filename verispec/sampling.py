@@ -358,8 +358,9 @@ def invariant_sample(probs: torch.Tensor, seed: int | Sequence[int] | torch.Tens
     """Drafter-invariant sampling: probs [..., V] (warped; each row's sum > 0) -> tokens [...],
     argmax(log p + G) with G = position_noise(seed, positions): token x with probability
     p(x) / sum, as the Gumbel-max trick gives, and the same token for the same (seed, position,
-    probs) everywhere. Plain decoding, drafters and `verify.invariant_verify` all draw through
-    this one function, so a speculative run's output equals a plain run's token for token.
+    probs) everywhere. Plain decoding, drafters and invariant verification (`verify.rows`) all
+    draw through this one function, so a speculative run's output equals a plain run's token
+    for token.
 
     Example: probs [[.5, .5, 0]], seed 7, positions [3] -> 0 or 1 (never 2), the same every call.
     """

@@ -40,16 +40,11 @@ from verispec.params import SamplingParams
 from verispec.planner import RoundPlanner
 from verispec.request import Request, Round
 from verispec.runtime import Runner, batched_logits, common_prefix
-from verispec.sampling import make_generator, warp
+from verispec.sampling import make_generator
 from verispec.stats import StatsRecorder
 from verispec.text import TextStream
-from verispec.verify import (
-    RowVerification,
-    greedy_verify_tree,
-    invariant_verify_tree,
-    rejection_sample_tree,
-    verify_rows,
-)
+from verispec.verify import Verified, verify_drafts
+from verispec.verify.batch import RowState
 
 log = logging.getLogger("verispec")
 
@@ -64,15 +59,6 @@ class Event:
     token_ids: list[int]
     output: object | None = None  # verispec.decoder.GenerationOutput
     error: Exception | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    """A row's verified round: the tokens it emits and how many draft tokens were accepted."""
-
-    tokens: list[int]
-    accepted: int
-    drafted: int  # the draft's depth (a tree counts as a chain of its depth)
 
 
 class Scheduler:
@@ -120,8 +106,7 @@ class Scheduler:
             request_id=next(self._ids), prompt_ids=prompt_ids, params=params,
             policy=decoder.new_policy(params, predicted=prediction_ids is not None),
             generator=make_generator(params.seed, decoder.target.device),
-            stats=StatsRecorder(k=decoder.k,
-                                verify="greedy" if params.greedy else params.verify),
+            stats=StatsRecorder(k=decoder.k, verify=params.method),
             text=TextStream(decoder.tokenizer, params.stop),
             budget=min(params.max_new_tokens,
                        decoder.target.max_positions - int(prompt_ids.numel())))
@@ -325,42 +310,12 @@ def _generator_state(request: Request) -> torch.Tensor | None:
 
 def verify_round(requests: list[Request], rounds: list[Round], logits: list[torch.Tensor]
                  ) -> list[Verified]:
-    """Verify every row of a round against its target logits [K'+1, V]; record what each
-    policy learns. Chains go through one ragged call (`verify.verify_rows`: one host sync),
-    each row by its own method (greedy argmax matching, or its params' verify: block, token,
-    invariant) and its own generator, so its draws do not depend on the other rows; trees
-    row by row."""
-    verified: list[Verified | None] = [None] * len(requests)
-    # 1. Chains, flattened with offsets: draft tokens [T], target rows [T + B, V].
-    chains = [i for i, rd in enumerate(rounds) if rd.draft.parents is None]
-    if chains:
-        offsets, targets, drafts, probs, rows = [0], [], [], [], []
-        with_probs = any(rounds[i].draft.probs is not None and not requests[i].params.greedy
-                         for i in chains)
-        for i in chains:
-            request, draft = requests[i], rounds[i].draft
-            params = request.params
-            offsets.append(offsets[-1] + len(draft))
-            drafts.append(draft.tokens)
-            targets.append(logits[i] if params.greedy else warp(logits[i], params))
-            has_probs = draft.probs is not None and not params.greedy
-            if with_probs:  # rows without (lookups, greedy rows) are ignored: zeros stand in
-                probs.append(draft.probs if has_probs else
-                             logits[i].new_zeros(len(draft), logits[i].shape[-1]))
-            rows.append(RowVerification(
-                "greedy" if params.greedy else params.verify, request.generator, params.seed,
-                request.context, has_probs))
-        tokens, accepted = verify_rows(torch.cat(drafts), offsets,
-                                       torch.cat(probs) if with_probs else None,
-                                       torch.cat(targets), rows)
-        for i, row_tokens, row_accepted in zip(chains, tokens, accepted, strict=True):
-            verified[i] = Verified(row_tokens, row_accepted, len(rounds[i].draft))
-    # 2. Trees, row by row.
-    for i, (request, round, row_logits) in enumerate(zip(requests, rounds, logits,
-                                                         strict=True)):
-        if verified[i] is None:
-            verified[i] = _verify_tree(request, round.draft, row_logits)
-    # 3. Bookkeeping (a tree counts as a chain of its depth: acceptance per position).
+    """Verify every row of a round against its target logits [K'+1, V]
+    (`verify.verify_drafts`: chains in one ragged call, trees row by row, each row by its own
+    method and generator); record what each policy and each row's stats learn."""
+    verified = verify_drafts([round.draft for round in rounds], logits,
+                             [RowState(r.params, r.generator, r.context) for r in requests])
+    # Bookkeeping (a tree counts as a chain of its depth: acceptance per position).
     for request, round, result in zip(requests, rounds, verified, strict=True):
         draft = round.draft
         if draft.scores is not None:
@@ -370,22 +325,3 @@ def verify_round(requests: list[Request], rounds: list[Round], logits: list[torc
         if is_prediction(draft.source):
             request.stats.accepted_prediction_tokens += result.accepted
     return verified
-
-
-def _verify_tree(request: Request, draft: Draft, target_logits: torch.Tensor) -> Verified:
-    """One row's token tree: target_logits [K'+1, V]. Greedy rows follow the target's argmax;
-    invariant rows its position-keyed draws; other sampled rows keep the multi-candidate rule
-    (recursive rejection sampling over siblings)."""
-    params = request.params
-    if params.greedy:
-        tokens, path = greedy_verify_tree(draft.tokens, draft.parents, target_logits)
-    elif params.verify == "invariant":
-        tokens, path = invariant_verify_tree(draft.tokens, draft.parents,
-                                             warp(target_logits, params), params.seed,
-                                             request.context)
-    else:
-        if draft.probs is None:
-            raise ValueError("a sampled token tree needs the draft's probabilities")
-        tokens, path = rejection_sample_tree(draft.tokens, draft.parents, draft.probs,
-                                             warp(target_logits, params), request.generator)
-    return Verified(tokens, len(path), draft.depth)

@@ -240,7 +240,7 @@ def _token_outcomes(target: Distribution, draft: Distribution, drafted: tuple[in
 
 
 def _block_outcomes(target: Distribution, draft: Distribution, drafted: tuple[int, ...]):
-    """(tau, chance, next-token law) of block verification of one draft (verify.block_verify):
+    """(tau, chance, next-token law) of block verification of one draft (verify.chains.block):
     P(tau = t) = h_t prod_{j > t} (1 - h_j), h_0 = 1."""
     k = len(drafted)
     weights, stops = [1], [1]  # p_0 = 1; h_0 = 1 (no coin: the fallback)

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from verispec import kernel_build
 from verispec.quant.gguf import GGUFFile, GGUFTensor
+from verispec.version import installed_version
 
 log = logging.getLogger("verispec")
 
@@ -67,25 +68,14 @@ def chosen(file: GGUFFile, qtype: GGMLQuantizationType, head: bool = True) -> li
             and (name != "token_embd.weight" or tied) and (head or name != head_name)]
 
 
-def _version() -> str:
-    """verispec's installed version (not `verispec.__version__`: no import of the package
-    root from here)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("verispec")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def cache_path(file: GGUFFile, qtype: GGMLQuantizationType, root: Path,
                names: list[str]) -> Path:
     """Where the re-quantised tensors `names` of `file` live: keyed by its size, mtime, the
     type, the tensors and verispec's version."""
     stat = file.path.stat()
     key = json.dumps({"format": FORMAT, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                      "type": qtype.name, "tensors": sorted(names), "verispec": _version()},
-                     sort_keys=True)
+                      "type": qtype.name, "tensors": sorted(names),
+                      "verispec": installed_version()}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return root / f"{file.path.stem}.{qtype.name.lower()}-{digest}.safetensors"
 

@@ -1,7 +1,7 @@
 // Sampled verification of draft chains on the CPU: token-wise rejection sampling and block
 // verification (Sun et al. 2025), one row at a time, every pass over the vocabulary fused into
 // one loop with no [V] temporaries. The procedures, their uniforms and their decisions are
-// verify.py's `_token_wise` and `_block` (the reference, and the path on other devices); read
+// verify/chains.py's `token_wise` and `block` (the reference, and the path on other devices); read
 // those first. What this file adds:
 //   - block verification computes h_i lazily, from the last position down, and stops at the
 //     first coin that comes up: tau is the last position whose coin came up, so the coins
@@ -30,7 +30,7 @@ constexpr int64_t CHUNK = 1024;  // tokens per chunk of the two-level cumulative
 
 // max(0, value) in float32, NaN to 0: a row of NaN (NaN logits make the whole row NaN) has no
 // positive total and is refused; a draft row of NaN leaves no residual, and the target is drawn
-// from, as in verify.py.
+// from, as in verify/chains.py.
 inline float positive(float value) { return value > 0.0f ? value : 0.0f; }
 
 // The excess of the target over the draft at one position: q is a row of draft
@@ -200,7 +200,7 @@ int64_t token_wise(const Row& row) {
   return accepted;
 }
 
-// h_i = Z_i / (Z_i + 1 - p_i), 0 where Z_i = 0 (verify._block).
+// h_i = Z_i / (Z_i + 1 - p_i), 0 where Z_i = 0 (verify.chains.block).
 double stop_chance(double mass, double weight) {
   return mass > 0.0 ? mass / std::max(mass + 1.0 - weight, 1e-300) : 0.0;
 }
@@ -211,7 +211,7 @@ int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& 
               bool& summed) {
   summed = false;
   const int64_t k = row.num_draft;
-  // 1. p_0 .. p_K (verify._carried).
+  // 1. p_0 .. p_K (verify.chains._carried).
   weight.assign(k + 1, 1.0);
   for (int64_t i = 1; i <= k; ++i) {
     const double carried = weight[i - 1] * static_cast<double>(row.p_at_draft(i - 1));
@@ -256,7 +256,8 @@ int64_t block(const Row& row, std::vector<double>& weight, std::vector<double>& 
 extern "C" {
 
 // Verify `rows` chains of a group padded to `width` draft slots. method 0: token-wise, 1: block
-// (a group of width <= 1 runs token-wise, as verify._block). Row b's slots: tokens, coins,
+// (a group of width <= 1 runs token-wise: verify.chains.procedure sends such rows there).
+// Row b's slots: tokens, coins,
 // draft_at [b * width, ...), target_at [b * (width + 1), ...), num_draft[b] of them real.
 // Writes row b's accepted prefix and next token into out_tokens [b * (width + 1), ...) (the
 // rest -1), num_accepted[b], and ok[b]: false where the distribution the next token is drawn

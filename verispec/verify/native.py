@@ -1,11 +1,11 @@
-"""verify.py's sampled chain procedures (token-wise and block) on the CPU, in C++
-(verify_native.cpp): the same uniforms and decisions as the PyTorch reference, without its
+"""The sampled chain procedures (verify.chains: token-wise and block) on the CPU, in C++
+(native.cpp): the same uniforms and decisions as the PyTorch reference, without its
 ~40 small tensor operations and [V] temporaries per call, and with block verification's
 Z_i computed only where a coin needs it.
 
 Built with the system compiler on first use (~1 s; plain C++, no PyTorch headers; cached by
 verispec.kernel_build), loaded with ctypes. Where it cannot build, or with VERISPEC_KERNELS=0,
-`load()` gives None and verify.py runs its PyTorch code.
+`load()` gives None and verify.chains runs its PyTorch code.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from verispec import kernel_build
 
 log = logging.getLogger("verispec")
 
-SOURCE = Path(__file__).with_name("verify_native.cpp")
+SOURCE = Path(__file__).with_name("native.cpp")
 # no -ffp-contract: each float32 product is rounded before its difference, as in PyTorch
 FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-psabi"]
 METHOD_CODES = {"token": 0, "block": 1}
