@@ -1,6 +1,7 @@
 """Predicted Outputs: a prediction is a draft source like any lookup: greedy output is the same
 with a matching, a partly matching or an unrelated prediction, sampled output keeps the
-target's law (with a negative control), and the accepted/rejected counts add up."""
+target's law (with a negative control), and the accepted count is the tally of the
+prediction's proposed tokens that the output kept."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 from conftest import always_accept_rows, chi2_pvalue, exact_joint, first_two_counts, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec import scheduler as scheduler_module
 from verispec.drafters import NgramDrafter
-from verispec.drafters.prediction import PredictionLookup
+from verispec.drafters.prediction import PredictionLookup, is_prediction, run_source
+from verispec.verify import verify_drafts
 
 PARAMS = SamplingParams(max_new_tokens=40, ignore_eos=True)
 PROMPT = "rewrite: the cat sat on the mat"
@@ -43,30 +44,84 @@ def test_the_lookup_follows_a_file_that_repeats_itself_in_order():
     assert lookup.propose(torch.tensor(back), 2).tokens.tolist() == [8, 9]
 
 
+def test_a_proposal_is_known_by_how_long_the_output_has_been_copying():
+    """The kind of a prediction's proposal is its copy run, bucketed: a long run and a fresh
+    5-gram match (the same n-gram length) are learnt apart."""
+    assert [run_source(5, run) for run in (5, 7, 8, 15, 16, 40, 64, 500)] == [
+        -5, -5, -8, -8, -16, -32, -64, -64]
+    assert run_source(2, 2) == -2
+    prediction = torch.arange(100, 200)
+    lookup = PredictionLookup(1, prediction)
+    copied = torch.cat([torch.tensor([0]), prediction[:40]])  # 40 tokens copied so far
+    draft = lookup.propose(copied, 4)
+    assert draft.tokens.tolist() == [140, 141, 142, 143] and draft.source == -32
+    changed = torch.cat([torch.tensor([0]), prediction[:30], torch.tensor([7]),
+                         prediction[31:36]])  # one token changed, then 5 copied again
+    assert PredictionLookup(1, prediction).propose(changed, 1).source == -5
+
+
+def proposals_and_positions(monkeypatch) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Record, at every verification, each prediction proposal's (position, tokens) and every
+    row's position (its history length), by wrapping the scheduler's call of `verify_drafts`."""
+    proposals: list[tuple[int, list[int]]] = []
+    positions: list[int] = []
+
+    def recording(drafts, logits, rows):
+        for draft, row in zip(drafts, rows, strict=True):
+            positions.append(row.position)
+            if is_prediction(draft.source) and len(draft):
+                proposals.append((row.position, draft.tokens.tolist()))
+        return verify_drafts(drafts, logits, rows)
+
+    monkeypatch.setattr("verispec.scheduler.verify_drafts", recording)
+    return proposals, positions
+
+
+def accepted_by_the_output(proposals, prompt_length: int, output: list[int]) -> int:
+    """A greedy row accepts a draft token exactly when it is the token the output has there:
+    the tally of each proposal's prefix that the final output repeats at its position."""
+    tally = 0
+    for position, tokens in proposals:
+        start = position - prompt_length
+        for offset, token in enumerate(tokens):
+            if start + offset >= len(output) or output[start + offset] != token:
+                break
+            tally += 1
+    return tally
+
+
 @pytest.mark.parametrize("kind", ["matching", "partly", "unrelated"])
-def test_greedy_output_is_the_same_with_any_prediction(text_target, tokenizer, kind):
+def test_greedy_output_is_the_same_with_any_prediction(text_target, tokenizer, kind,
+                                                       monkeypatch):
     """Predictions as ids (a random model's text need not be valid UTF-8, and would not
-    tokenise back to its ids); text predictions go through the server's test."""
+    tokenise back to its ids); text predictions go through the server's test. The accepted
+    count equals a tally from the output and the prediction's proposals (lookup drafts of the
+    n-gram drafter beside it are not counted)."""
     plain = SpeculativeDecoder(text_target, tokenizer, None)
     expected = plain.generate(PROMPT, PARAMS)
     ids = expected.token_ids
     prediction = {"matching": list(ids),
                   "partly": ids[:15] + [ord(c) for c in " something else "] + ids[25:],
                   "unrelated": [ord("z")] * 30}[kind]
+    proposals, positions = proposals_and_positions(monkeypatch)
     for drafter in (None, NgramDrafter()):
+        proposals.clear()
+        positions.clear()
         decoder = SpeculativeDecoder(text_target, tokenizer, drafter, k="auto")
         out = decoder.generate(PROMPT, PARAMS, prediction=prediction)
         assert out.token_ids == expected.token_ids
         stats = out.stats
         assert stats.prediction_tokens == len(prediction)
-        assert stats.accepted_prediction_tokens + stats.rejected_prediction_tokens == \
-            stats.prediction_tokens
-        assert stats.rejected_prediction_tokens >= 0
+        tally = accepted_by_the_output(proposals, positions[0], out.token_ids)
+        assert stats.accepted_prediction_tokens == tally
         if kind == "matching":  # most of it is accepted, in few passes
-            assert stats.accepted_prediction_tokens > stats.prediction_tokens // 2
+            assert tally > stats.prediction_tokens // 2
             assert stats.target_forwards < PARAMS.max_new_tokens // 2
+        if kind == "partly":  # some proposals accepted, some rejected
+            assert 0 < tally < stats.prediction_tokens
+            assert sum(map(len, (t for _, t in proposals))) > tally
         if kind == "unrelated":
-            assert stats.accepted_prediction_tokens == 0
+            assert tally == 0
 
 
 V = 8
@@ -100,7 +155,7 @@ def test_a_sampled_output_with_a_prediction_keeps_the_targets_law(small_target):
 
 
 def test_negative_control_an_unverified_prediction_is_detected(small_target, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.batch.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(small_target, None, None, k=3)
     counts = prediction_counts(decoder, PREDICTION)
     assert chi2_pvalue(counts, target_joint(small_target)) < 1e-6

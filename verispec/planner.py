@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from verispec.config import DecodeConfig
 from verispec.costs import CostModel
 from verispec.drafters.base import ChainCut, Draft, unread
-from verispec.drafters.hybrid import tree_width_of
+from verispec.drafters.hybrid import HybridDrafter, tree_width_of
 from verispec.policy import AdaptiveK
 from verispec.request import Request
 from verispec.theory import batch_allocation, batch_optimal_k
@@ -99,9 +99,21 @@ class RoundPlanner:
         return request.policy.catch_up_pays(prices, lag, request.budget - request.generated)
 
     def lookup_keep(self, request: Request, row: RowPlan) -> Callable[[Draft], int]:
-        """How many of a lookup's tokens the row would verify (propose_batch asks, to let a
-        hybrid row fall back to its draft model when it would verify none)."""
-        return lambda draft: request.policy.keep(row.prices, row.width, draft.source, len(draft))
+        """How many of a lookup's (or a prediction's) tokens the row would verify
+        (propose_batch asks, to let a hybrid row fall back to its draft model when it would
+        verify none, or when its draft model, which drafts this round (row.k > 0), is worth
+        more: `AdaptiveK.lookup_beats_model`)."""
+        policy = request.policy
+        weighs_model = row.k > 0 and isinstance(request.drafter, HybridDrafter) and \
+            isinstance(policy, AdaptiveK)
+
+        def keep(draft: Draft) -> int:
+            kept = policy.keep(row.prices, row.width, draft.source, len(draft))
+            if kept and weighs_model and \
+                    not policy.lookup_beats_model(row.prices, row.width, draft.source, kept):
+                return 0
+            return kept
+        return keep
 
     def keep(self, requests: Sequence[Request], drafts: Sequence[Draft],
              plan: RoundPlan) -> list[Draft]:

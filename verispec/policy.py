@@ -195,6 +195,22 @@ class AdaptiveK:
         return min(proposed, self._probed(
             source, best, best or self._best_k(prices, SURE, width) > 0))
 
+    def lookup_beats_model(self, prices: CostModel | None, width: int, source: int,
+                           kept: int) -> bool:
+        """Whether `kept` tokens of a lookup of this kind are worth more this round than the
+        draft model's best proposal: expected tokens per target step, the lookup's priced
+        without a draft step, the model's with its K draft steps. A row whose lookups are
+        accepted less often than its draft model's tokens (short n-gram matches in code a model
+        drafts well) drafts with the model instead."""
+        prices = _require(prices)
+        lookup = lookup_prices(prices)
+        lookup_rate = expected_speedup(self.gamma(source), kept, 0.0, lookup.v(kept + 1))
+        model = self.tree_costs(prices.sampled() if self.sampling else prices, width)
+        gamma = self.gamma(0)
+        k = optimal_k(gamma, model.draft_step, model.verify, model.k_max)
+        return k == 0 or lookup_rate >= expected_speedup(gamma, k, model.draft_step,
+                                                         model.v(k + 1))
+
     def update(self, source: int, num_drafted: int, num_accepted: int) -> None:
         for other, estimate in self.estimates.items():
             if other != source:

@@ -9,6 +9,10 @@ file repeats itself: `return`, closing brackets) the occurrence nearest after th
 output last copied from is taken, so a proposal follows the file in order. The proposal is
 deterministic, like any lookup, and verified like any draft, so the output is the target's
 whatever the prediction says; only speed depends on it.
+
+A proposal's kind (Draft.source, whose acceptance the K policy learns apart) is how long the
+output has been copying the prediction at that place: a run of hundreds of copied tokens goes
+on far more surely than a 5-gram that happens to recur in a changed line, and earns a longer K.
 """
 
 from __future__ import annotations
@@ -22,11 +26,22 @@ from verispec.drafters.base import Draft, empty_draft
 FROM_START = -1
 
 
+# Copy runs this long or longer are kinds of their own (-8, -16, -32, -64); shorter ones are
+# their n-gram's length (-2..-5, as other lookups)
+RUN_KINDS = (64, 32, 16, 8)
+
+
 def is_prediction(source: int) -> bool:
-    """Draft.source of a proposal copied from a prediction (negative: -n for an n-gram match,
-    FROM_START for its opening; other lookups use n, draft models 0), so acceptance is learnt
-    apart from other lookups."""
+    """Draft.source of a proposal copied from a prediction (negative: -n for a copy run of n
+    tokens, bucketed by `run_source`; FROM_START for its opening; other lookups use n, draft
+    models 0), so acceptance is learnt apart from other lookups."""
     return source < 0
+
+
+def run_source(ngram: int, run: int) -> int:
+    """The kind of a proposal after an n-gram match of `ngram` tokens that is the end of a copy
+    run of `run` tokens (run >= ngram). Example: (5, 5) -> -5, (5, 40) -> -32."""
+    return -next((kind for kind in RUN_KINDS if run >= kind), ngram)
 
 
 class PredictionLookup:
@@ -34,7 +49,9 @@ class PredictionLookup:
 
     Example: prompt [1, 2], prediction [5, 6, 7, 8, 5, 6, 9], output so far [5, 6, 7, 8, 5, 6]:
     the output's last 5-gram [6, 7, 8, 5, 6] ends at prediction position 6, followed by [9]:
-    the draft is [9] (source -5). With the output empty, the draft is the prediction's start.
+    the draft is [9]; the output copies the prediction's first 6 tokens there, a run of 6
+    (source -5: runs under 8 are kinds by their n-gram). With the output empty, the draft is
+    the prediction's start.
     """
 
     def __init__(self, prompt_length: int, prediction_ids: torch.Tensor,
@@ -67,5 +84,13 @@ class PredictionLookup:
             ends = (windows == output[-n:]).all(dim=1).nonzero().flatten() + n
             if ends.numel():
                 ahead = ends[ends >= self.cursor]
-                return int(ahead[0] if ahead.numel() else ends[-1]), -n
+                end = int(ahead[0] if ahead.numel() else ends[-1])
+                return end, run_source(n, self._run(output, end))
         return None, 0
+
+    def _run(self, output: torch.Tensor, end: int) -> int:
+        """How many of the output's last tokens equal the prediction's tokens before `end`
+        (counted up to the longest run kind)."""
+        span = min(RUN_KINDS[0], int(output.numel()), end)
+        same = output[-span:].flip(0) == self.prediction_ids[end - span: end].flip(0)  # [span]
+        return int(same.long().cumprod(0).sum())
