@@ -55,15 +55,18 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 
 
-def create_app(decoder, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+def create_app(decoder, model_name: str, config: ServerConfig | None = None,
+               metric_labels: dict[str, str] | None = None) -> FastAPI:
     """An app serving `decoder` (a SpeculativeDecoder) under `model_name`, as `config` says
-    (default ServerConfig()). `app.state.draining = True` turns new requests away (503)."""
+    (default ServerConfig()). `app.state.draining = True` turns new requests away (503).
+    metric_labels: set on every sample of /metrics (one replica among several: its id)."""
     config = config or ServerConfig()
     engine = Engine(decoder, max_batch=config.max_batch, max_queue=config.max_queue)
     prompts = Prompts(decoder, config.max_prompt_tokens)
     cache = getattr(decoder.drafter, "cache", None)  # a cross-request lookup's (--draft suffix)
     metrics = Metrics(in_flight=lambda: engine.outstanding,
-                      suffix_cache=cache.usage if isinstance(cache, SuffixCache) else None)
+                      suffix_cache=cache.usage if isinstance(cache, SuffixCache) else None,
+                      labels=metric_labels)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

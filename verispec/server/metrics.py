@@ -3,6 +3,9 @@
 Per-position acceptance is the ratio of two counters: draft position i (0-based) was checked
 `verispec_draft_position_checked_total{position="i"}` times and accepted
 `verispec_draft_position_accepted_total{position="i"}` times.
+
+A server that is one of several replicas labels every sample with its replica
+(`Metrics(labels={"replica": ...})`); `merge` joins several replicas' pages into one.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 class Metrics:
     def __init__(self, in_flight: Callable[[], int],
-                 suffix_cache: Callable[[], CacheUsage] | None = None) -> None:
+                 suffix_cache: Callable[[], CacheUsage] | None = None,
+                 labels: dict[str, str] | None = None) -> None:
         """in_flight: how many requests the engine holds (waiting or running), read on scrape;
         suffix_cache: what a cross-request lookup cache holds (`SuffixCache.usage`), where the
-        drafter has one."""
+        drafter has one; labels: set on every sample (e.g. {"replica": "ab12"})."""
+        self.labels = dict(labels or {})
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("verispec_requests", "HTTP requests by path and status",
                                 ["path", "status"], registry=registry)
@@ -83,7 +88,45 @@ class Metrics:
         self.latency.observe(latency_s)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        page = generate_latest(self.registry)
+        return with_labels(page.decode(), self.labels).encode() if self.labels else page
+
+
+def with_labels(page: str, labels: dict[str, str]) -> str:
+    """Prometheus text with `labels` put first on every sample line.
+
+    Example: with_labels('x_total{path="/"} 1.0', {"replica": "r1"})
+             -> 'x_total{replica="r1",path="/"} 1.0'"""
+    added = ",".join(f'{name}="{value}"' for name, value in labels.items())
+    lines = []
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            name, brace, rest = line.partition("{")
+            if brace:
+                line = f"{name}{{{added},{rest}" if not rest.startswith("}") else \
+                    f"{name}{{{added}{rest}"
+            else:
+                name, _, value = line.partition(" ")
+                line = f"{name}{{{added}}} {value}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def merge(pages: list[str]) -> str:
+    """Several servers' Prometheus pages as one: each metric family once (its HELP and TYPE
+    lines from the first page that has it), followed by every page's samples of it."""
+    families: dict[str, list[str]] = {}
+    for page in pages:
+        family = None
+        for line in page.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split(" ", 3)[2]
+                lines = families.setdefault(family, [])
+                if line not in lines:
+                    lines.append(line)
+            elif line and family is not None:
+                families[family].append(line)
+    return "".join(line + "\n" for lines in families.values() for line in lines)
 
 
 class CountRequests:
