@@ -20,12 +20,15 @@ PRICES = CostModel(draft_step=0.25, verify=(1.0, 1.0, 1.05, 1.1, 1.15, 1.2, 1.25
 
 
 def policy_with(model_gamma: float, lookup_gamma: float, source: int = 2) -> AdaptiveK:
-    """A policy whose acceptance estimates are settled at these rates (a prior that outweighs
-    any evidence)."""
+    """A policy whose acceptance estimates are settled at these rates (much evidence)."""
     policy = AdaptiveK(DecodeConfig())
-    policy.estimates[0] = AcceptanceEstimate(model_gamma, prior_weight=1e6)
-    policy.estimates[source] = AcceptanceEstimate(lookup_gamma, prior_weight=1e6)
+    policy.estimates[0] = settled(model_gamma)
+    policy.estimates[source] = settled(lookup_gamma)
     return policy
+
+
+def settled(gamma: float) -> AcceptanceEstimate:
+    return AcceptanceEstimate(gamma, accepted_w=gamma * 1e6, checked_w=1e6)
 
 
 def lookup(source: int, length: int = 8) -> Draft:
@@ -40,6 +43,21 @@ def test_a_lookup_accepted_less_often_than_the_model_gives_way_to_it():
     assert not weak.lookup_beats_model(PRICES, 1, 2, kept)
     strong = policy_with(model_gamma=0.6, lookup_gamma=0.95)
     assert strong.lookup_beats_model(PRICES, 1, 2, strong.keep(PRICES, 1, 2, 8))
+
+
+def test_a_kind_not_yet_tried_is_tried_before_it_is_judged():
+    """A prediction or lookup kind the request has no evidence for is verified, not priced out
+    by its prior against a well-measured draft model; after it has been tried and found weak
+    it gives way, until its next probe."""
+    policy = AdaptiveK(DecodeConfig())
+    policy.estimates[0] = settled(0.9)
+    assert policy.lookup_beats_model(PRICES, 1, -16, 4)  # untried: tried
+    for _ in range(3):
+        policy.update(-16, 4, 0)  # tried, rejected at once
+    assert not policy.lookup_beats_model(PRICES, 1, -16, 4)
+    for _ in range(DecodeConfig().probe_every):
+        policy.update(0, 4, 3)  # rounds of the model: the kind goes without evidence
+    assert policy.lookup_beats_model(PRICES, 1, -16, 4)  # its probe
 
 
 def test_a_lookup_is_kept_where_the_model_would_not_draft():

@@ -201,8 +201,14 @@ class AdaptiveK:
         draft model's best proposal: expected tokens per target step, the lookup's priced
         without a draft step, the model's with its K draft steps. A row whose lookups are
         accepted less often than its draft model's tokens (short n-gram matches in code a model
-        drafts well) drafts with the model instead."""
+        drafts well) drafts with the model instead. A kind not yet tried (no evidence in this
+        request or in earlier ones), or one gone config.probe_every rounds without evidence,
+        is tried rather than judged by its prior: no source starves."""
         prices = _require(prices)
+        estimate = self._estimate(source)
+        if estimate.idle >= self.config.probe_every or (
+                estimate.checked_w == 0.0 and (self.shared is None or source not in self.shared)):
+            return True
         lookup = lookup_prices(prices)
         lookup_rate = expected_speedup(self.gamma(source), kept, 0.0, lookup.v(kept + 1))
         model = self.tree_costs(prices.sampled() if self.sampling else prices, width)

@@ -12,9 +12,12 @@ from verispec.params import VERIFY_METHODS
 from verispec.policy import parse_k
 
 # "predicted": plain decoding with each prompt's prediction as its draft (Predicted Outputs;
-# prompt sets with predictions, e.g. --prompts edits); "suffix": lookup over the prompt and
-# the earlier prompts' texts (a process's requests share them: verispec.drafters.suffix)
-VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid", "predicted", "suffix")
+# prompt sets with predictions, e.g. --prompts edits); "hybrid-predicted": the default hybrid
+# drafter with the prediction, as a server runs a request that brings one; "suffix": lookup
+# over the prompt and the earlier prompts' texts (a process's requests share them:
+# verispec.drafters.suffix)
+VERISPEC_METHODS = ("baseline", "draft", "ngram", "hybrid", "predicted", "hybrid-predicted",
+                    "suffix")
 HF_METHODS = ("hf-baseline", "hf-assisted", "hf-ngram")
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-draft")  # llama.cpp's binaries (bench/llamacpp.py)
 ALL_METHODS = VERISPEC_METHODS + HF_METHODS + LLAMA_CPP_METHODS

@@ -152,7 +152,8 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
             notes.append("hf-assisted skipped: the draft reads the target's features, which "
                          "transformers' assisted generation cannot give it")
             continue
-        if name in ("draft", "hybrid", "hf-assisted") and runners.draft is None and \
+        if name in ("draft", "hybrid", "hybrid-predicted", "hf-assisted") and \
+                runners.draft is None and \
                 runners.feature_drafter is None:
             notes.append(f"{name} skipped: no draft model given (--draft PATH), and none is "
                          "shipped for this target")
@@ -178,9 +179,11 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                         decoder.share_costs(first)
                     label = group if len(config.verifies) == 1 else f"{group}[{verify}]"
                     methods.append(VerispecMethod(label, decoder, verify, group=group))
-        elif name == "predicted":
+        elif name in ("predicted", "hybrid-predicted"):
+            drafter = None if name == "predicted" else _drafter("hybrid", model, runners,
+                                                                  head_token_ids)
             methods.append(VerispecMethod(name, SpeculativeDecoder(
-                model, tokenizer, None, k=config.ks[0], runtime=runners.target),
+                model, tokenizer, drafter, k=config.ks[0], runtime=runners.target),
                 takes_prediction=True))
         elif name == "hf-baseline":
             methods.append(HFMethod(name, model, eos_ids))
