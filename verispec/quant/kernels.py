@@ -19,8 +19,8 @@ Paths, chosen once per process at first use (`path` says which; a log line too):
 "avx512" where the CPU has AVX-512 F/BW/VL and VNNI (AMD Zen 4 and later, Intel Ice Lake and
 later), "avx2" where it has AVX2, FMA and F16C, "scalar" (portable C++) otherwise. All three
 give the same bits. VERISPEC_KERNELS=avx2 or =scalar forces that path; VERISPEC_KERNELS=0 turns
-the extension off ("off": products then run in PyTorch over dequantised weights, not batch
-invariant). Each path is a C++ extension built with the system compiler on first use (~1 min)
+the extension off ("off": the functions here then run `verispec.quant.fallback`, the one
+PyTorch path: per-row products over dequantised weights). Each path is a C++ extension built with the system compiler on first use (~1 min)
 and cached in $XDG_CACHE_HOME/verispec/quant-kernels (by default ~/.cache/...).
 """
 
@@ -31,17 +31,16 @@ import logging
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from verispec import cpu, kernel_build
+from verispec.quant import fallback
 
 log = logging.getLogger("verispec")
 
 SOURCES = Path(__file__).with_name("kernels")
-TYPES = tuple(GGMLQuantizationType[name] for name in
-              ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+TYPES = fallback.SUPPORTED  # the block types verispec reads, listed once
 # -ffp-contract=off: dequantisation must round each product and sum as NumPy does, and the
 # products' FMAs are written out, so that both paths run the same operations.
 FLAGS = {"scalar": ["-O3", "-fopenmp", "-ffp-contract=off"],
@@ -161,7 +160,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype) -> torch.Tensor:
     rows = x.reshape(-1, K).to(torch.float32).contiguous()  # [R, K]
     module = _active()[1]
     if module is None:
-        y = rows @ dequantize(weight, qtype).T
+        y = fallback.matmul(rows, weight, qtype)
     else:
         y = module.matmul(rows, weight.contiguous(), int(qtype))  # [R, N]
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -173,9 +172,7 @@ def dequantize(weight: torch.Tensor, qtype) -> torch.Tensor:
     row_length(weight, qtype)
     module = _active()[1]
     if module is None:
-        from gguf.quants import dequantize as reference
-
-        return torch.from_numpy(reference(np.ascontiguousarray(weight.numpy()), qtype))
+        return fallback.dequantize(weight, qtype)
     return module.dequantize(weight.contiguous(), int(qtype))
 
 
