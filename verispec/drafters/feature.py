@@ -29,7 +29,9 @@ from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
 from verispec.runtime import Runner, common_prefix
 from verispec.runtime.native import NativeRunner
+from verispec.runtime.native import kernels as bf16_kernels
 from verispec.runtime.native.cache import TreeLinks
+from verispec.runtime.native.gguf_model import GGUFLlama
 from verispec.runtime.native.layers import LayerWeights, Linear
 from verispec.runtime.native.llama import NativeLlama, RowPass
 from verispec.runtime.native.shape import LlamaShape
@@ -328,11 +330,20 @@ def tap_inputs(taps: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _FeatureModel:
     """The head's weights on the target's runtime: fc, one layer, the target's norm and head
-    rows (a NativeLlama of one layer fed with fused vectors instead of token embeddings)."""
+    rows (a NativeLlama of one layer fed with fused vectors instead of token embeddings).
+
+    Beside a quantised (GGUF) target, whose activations are float32, the head runs in bfloat16
+    on verispec's bfloat16 kernels where they run (AVX512-BF16 or AMX), its layer in one C++
+    call: a draft only proposes, so its rounding never reaches the output, and its float32
+    PyTorch layer cost most of a quantised target's step (SmolLM2: c 0.80 -> 0.15). Elsewhere
+    it runs in the target's dtype, as training computed it."""
 
     def __init__(self, weights: dict[str, torch.Tensor], head_token_ids: torch.Tensor,
                  target: PreTrainedModel, target_native: NativeLlama) -> None:
-        dtype, device = target_native.dtype, target_native.device
+        device = target_native.device
+        quantised = isinstance(target_native, GGUFLlama)
+        dtype = torch.bfloat16 if quantised and device.type == "cpu" and \
+            bf16_kernels.load() is not None else target_native.dtype
 
         def cast(name: str) -> torch.Tensor:
             return weights[name].to(dtype=dtype, device=device).contiguous()
@@ -348,10 +359,14 @@ class _FeatureModel:
         shape = dataclasses.replace(LlamaShape.from_config(target.config), num_layers=1,
                                     vocab_size=int(head_token_ids.numel()))
         self.embed = target_native.embed  # [V, H], the target's own table
+        self.dtype = dtype
         self.fc = Linear(cast("fc.weight"))  # 2H -> H
         self.fc_taps = Linear(cast("fc_taps.weight")) if "fc_taps.weight" in weights else None
         self.eps = target_native.shape.rms_norm_eps
-        self.native = NativeLlama(shape, self.embed, [layer], target_native.final_norm,
+        # (the head never embeds ids itself: an empty table of its dtype stands in)
+        self.native = NativeLlama(shape, torch.empty(0, shape.hidden_size, dtype=dtype,
+                                                     device=device), [layer],
+                                  target_native.final_norm.to(dtype),
                                   Linear(head.to(dtype=dtype, device=device).contiguous()))
 
     def step_rows(self, passes: list[tuple], taps: torch.Tensor | None = None,
@@ -363,9 +378,10 @@ class _FeatureModel:
         every one's logits come back: [T, Vh]."""
         features = torch.cat([features for _, features, _, _ in passes])  # [N, H]
         next_ids = torch.cat([ids for _, _, ids, _ in passes])  # [N]
-        inputs = self.fc(torch.cat([features, self.embed[next_ids]], dim=-1))  # [N, H]
+        inputs = self.fc(torch.cat([features.to(self.dtype),
+                                    self.embed[next_ids].to(self.dtype)], dim=-1))  # [N, H]
         if taps is not None:
-            inputs = inputs + self.fc_taps(tap_inputs(taps, self.eps))
+            inputs = inputs + self.fc_taps(tap_inputs(taps, self.eps).to(self.dtype))
         trees = trees or [None] * len(passes)
         return self.native.forward_rows(
             [RowPass(cache, ids, start, 1 if tree is None else int(ids.numel()), tree)
