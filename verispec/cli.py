@@ -280,6 +280,12 @@ def run_costs(args: argparse.Namespace) -> int:
 def add_serve_command(commands) -> None:
     """`verispec serve`: the OpenAI-compatible HTTP server (verispec.server)."""
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_serve_args(serve)
+    serve.set_defaults(run=run_serve)
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """`verispec serve`'s flags (also what `verispec.server.ray_serve:build_app` reads)."""
     add_model_args(serve)
     serve.add_argument("--k", default="auto",
                        help="draft tokens per round: 'auto' (default), a number, or 'heuristic'")
@@ -312,33 +318,75 @@ def add_serve_command(commands) -> None:
                        help="whose earlier prompts and outputs a cross-request lookup (--draft "
                             "suffix) may propose to a request: per-key (default: requests with "
                             "the same API key), shared (every request), off (none)")
-    serve.set_defaults(run=run_serve)
+    ray = serve.add_argument_group("several machines (Ray Serve; pip install 'verispec[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve from replicas on a Ray cluster, requests that share a prompt "
+                          "prefix going to the replica that saw it (docs/server.md)")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="replicas, each with its own engine (default 1)")
+    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                     help="as many replicas as the load needs, between MIN and MAX")
+    ray.add_argument("--replica-cpus", type=float, default=None, metavar="N",
+                     help="cores per replica, several replicas to a machine (default: one "
+                          "replica per machine, using all its cores)")
+    ray.add_argument("--address", default=None,
+                     help="the Ray cluster to join ('auto': the one `ray start` began on this "
+                          "machine; default: RAY_ADDRESS, else a new local one)")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from verispec import SpeculativeDecoder
+def serve_config(args: argparse.Namespace):
+    """The ServerConfig of `verispec serve`'s flags (raises ValueError on a bad one)."""
+    from verispec.server import ServerConfig
+    from verispec.server.settings import DEFAULT_MAX_BODY_BYTES
 
-    try:
-        from verispec.server import ServerConfig, default_model_name, serve
-        from verispec.server.settings import DEFAULT_MAX_BODY_BYTES
-    except ImportError as err:
-        raise VerispecError(f"`verispec serve` needs the serve extra: pip install "
-                            f"'verispec[serve]' ({err})") from None
-    config = ServerConfig(  # before loading: a bad flag fails at once
+    return ServerConfig(
         max_batch=args.max_batch, max_queue=args.max_queue,
         max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else
         args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
         protect_metrics=args.protect_metrics, docs=args.docs,
         shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache)
-    decoder = SpeculativeDecoder.from_pretrained(
+
+
+def serve_decoder(args: argparse.Namespace):
+    """The SpeculativeDecoder `verispec serve`'s flags name (model names resolved here)."""
+    from verispec import SpeculativeDecoder
+
+    return SpeculativeDecoder.from_pretrained(
         target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
         runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
         sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
         **draft_args(args))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from verispec.server import default_model_name, serve
+    except ImportError as err:
+        raise VerispecError(f"`verispec serve` needs the serve extra: pip install "
+                            f"'verispec[serve]' ({err})") from None
+    if args.ray:
+        return run_serve_on_ray(args)
+    if args.replicas is not None or args.autoscale or args.replica_cpus or args.address:
+        raise VerispecError("--replicas, --autoscale, --replica-cpus and --address go with "
+                            "--ray")
+    config = serve_config(args)  # before loading: a bad flag fails at once
+    decoder = serve_decoder(args)
     serve(decoder, args.model_name or default_model_name(args.target), host=args.host,
           port=args.port, config=config)
     return 0
+
+
+def run_serve_on_ray(args: argparse.Namespace) -> int:
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError as err:
+        raise VerispecError(f"`verispec serve --ray` needs Ray Serve: pip install "
+                            f"'verispec[ray]' ({err})") from None
+    from verispec.server.ray_serve import run
+
+    return run(args)
 
 
 def add_distill_command(commands) -> None:

@@ -8,6 +8,9 @@
     prompts.py   prompts and chat messages -> token ids, off the engine thread, within limits
     metrics.py   Prometheus metrics in a per-app registry
     loadtest.py  `python -m verispec.server.loadtest`: N requests from C concurrent clients
+    ray_serve.py `verispec serve --ray`: replicas on a Ray cluster behind a gateway (needs ray)
+    ray_router.py  the replicas' request router: prefix affinity, then the least loaded
+    affinity.py  a prompt's opening as chained block keys; which replica saw which keys
 """
 
 from verispec.server.app import create_app, default_model_name, serve
