@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,14 +20,18 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'verispec[ray]'")
-serve = pytest.importorskip("ray.serve", reason="Ray Serve is optional: "
-                                                "pip install 'verispec[ray]'")
-from ray.cluster_utils import Cluster  # noqa: E402
+from verispec.cli import main
 
-from verispec.server.ray_serve import APP_NAME, build_app  # noqa: E402
+try:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
 
-pytestmark = pytest.mark.real_model
+    from verispec.server.ray_serve import APP_NAME, build_app
+except ImportError:
+    ray = None
+needs_ray = pytest.mark.skipif(ray is None, reason="Ray is optional: pip install "
+                                                   "'verispec[ray]'")
 
 MODEL = "smollm2-135m-instruct"
 KEY = "sk-ray-test"
@@ -37,8 +42,37 @@ SHORT = ["The capital of France is", "Water boils at", "A haiku about rain:",
 TIMEOUT = httpx.Timeout(120.0)
 
 
+def test_serve_ray_without_ray_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    assert main(["serve", "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'verispec[ray]'" in err and "Traceback" not in err
+
+
+@needs_ray
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--autoscale", "3:1"], "MIN <= MAX"),
+    (["--autoscale", "2"], "MIN:MAX"),
+    (["--replicas", "2", "--autoscale", "1:2"], "exclude each other"),
+    (["--replica-cpus", "0"], "must be > 0"),
+    (["--max-batch", "0"], "max_batch"),
+])
+def test_bad_ray_flags_fail_before_any_cluster_starts(flags, message, capsys):
+    assert main(["serve", "--ray", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+@needs_ray
+def test_build_app_takes_the_serve_flags():
+    app = build_app({"replicas": 3, "max_batch": "4", "int8": "false", "api-key": "k"})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ValueError, match="not a `verispec serve` flag"):
+        build_app({"replica": 2})
+
+
 class Served:
-    def __init__(self, cluster: Cluster, url: str) -> None:
+    def __init__(self, cluster, url: str) -> None:
         self.cluster, self.url = cluster, url
         self.workers = []
 
@@ -228,7 +262,8 @@ def check_concurrent_requests_use_both_replicas_and_metrics_name_them(served, re
 def under_fault(served: Served, reference, fault) -> dict:
     """Streams and plain requests in flight, `fault(streams)` once every stream has begun (->
     the replica it took down), and new requests sent meanwhile -> what each got."""
-    bodies = [{"prompt": SHORT[i % 4], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    # long enough that the streams are still running when the fault comes
+    bodies = [{"prompt": SHORT[i % 4], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
               for i in range(8)]
     expected = [reference(body) for body in bodies]
     starts = [threading.Event() for _ in range(4)]
@@ -268,10 +303,12 @@ def replica_ids() -> set[str]:
 
 
 def check_a_replica_killed_mid_load_loses_no_request_and_comes_back(served, reference):
+    actors = {name.rsplit("#", 1)[1]: ray.get_actor(name, namespace="serve")
+              for name in named_actors("#Replica#")}
+
     def kill(streams) -> str:
         target = streams[0]["replica"]  # a replica that surely has a stream in flight
-        name = next(name for name in named_actors("#Replica#") if name.endswith(target))
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        ray.kill(actors[target], no_restart=True)
         return target
 
     outcome = under_fault(served, reference, kill)
@@ -299,6 +336,8 @@ def check_a_node_that_leaves_has_its_replica_moved(served, reference):
     assert outcome["killed"] not in replica_ids()
 
 
+@needs_ray
+@pytest.mark.real_model
 def test_serving_from_two_nodes(served, reference):
     """One test, so that one worker runs it all on one cluster (pytest-xdist hands the tests
     of a module to several workers); each check names what failed."""

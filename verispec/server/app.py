@@ -166,7 +166,8 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
 
 
 async def stream(reply: Reply, handle: RequestHandle, clock: Clock, include_usage: bool):
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a request
+    that fails midway ends with an error event instead, so no client takes it for whole."""
     if reply.chat:
         yield sse(reply.chunk("", role=True))
     try:
@@ -181,6 +182,7 @@ async def stream(reply: Reply, handle: RequestHandle, clock: Clock, include_usag
                     yield sse(reply.usage_chunk(output, handle.prompt_tokens))
     except GenerationFailed:
         yield sse(internal_error(reply, handle).body())
+        return
     yield sse("[DONE]")
 
 

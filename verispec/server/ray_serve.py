@@ -14,8 +14,9 @@ one server's; responses carry `x-verispec-replica`.
 Faults. A replica that dies is restarted by Serve (and moved, if its machine left). The gateway
 answers each request in flight on it: one that has sent nothing yet is sent once more, to
 another replica (the router has dropped the dead one), then 503; a stream that has begun ends
-with an error event and no `[DONE]`. When every replica is full (`max_ongoing_requests`: its
-max_batch + max_queue) and max_queue more wait at the gateway, further requests are 429.
+with an error event and no `[DONE]`. Each replica takes max_batch + max_queue requests (then
+its engine answers 429, as one server does); when every replica is full, as many more as the
+replicas hold together wait at the gateway, and further requests are 429.
 
     build_app({"target": "qwen2.5-coder-1.5b-instruct", "replicas": "2"})   # `serve run`
     run(args)                                                              # the CLI
@@ -305,7 +306,8 @@ def deployment(args: argparse.Namespace):
     options = {
         "ray_actor_options": {"num_cpus": ray_config.replica_cpus or 1},
         "max_ongoing_requests": capacity + ROOM_FOR_PROBES,
-        "max_queued_requests": max(1, config.max_queue),
+        # requests being routed count too: a burst the replicas can hold must pass
+        "max_queued_requests": capacity * (ray_config.autoscale or (0, ray_config.replicas))[1],
         "graceful_shutdown_timeout_s": config.shutdown_timeout,
         "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": 2,
@@ -325,7 +327,9 @@ def deployment(args: argparse.Namespace):
     replicas = serve.deployment(Replica, name="Replica", **options).bind(serve_args)
     gateway = serve.deployment(
         Gateway, name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=100_000, graceful_shutdown_timeout_s=config.shutdown_timeout)
+        max_ongoing_requests=100_000,
+        # longer than the replicas': what they end after --shutdown-timeout still reaches clients
+        graceful_shutdown_timeout_s=config.shutdown_timeout + 5)
     return gateway.bind(replicas, config.max_body_bytes)
 
 
