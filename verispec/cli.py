@@ -10,7 +10,16 @@ import sys
 from pathlib import Path
 
 from verispec.bench.config import ALL_METHODS, DEFAULT_METHODS
-from verispec.config import DEFAULT_TREE_WIDTH
+from verispec.cli_args import (
+    add_model_args,
+    add_runtime_args,
+    add_serve_args,
+    add_tree_arg,
+    dequantize_arg,
+    draft_args,
+    serve_config,
+    serve_decoder,
+)
 from verispec.errors import VerispecError
 from verispec.version import installed_version
 
@@ -106,71 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(commands)
     add_model_commands(commands)
     return parser
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None,
-                        help="a model name (`verispec models`), HF checkpoint folder or .gguf "
-                             "file (default: embedded SmolLM2-135M)")
-    parser.add_argument("--draft", default="default",
-                        help="draft model name, folder or .gguf, 'ngram', 'suffix' (lookup "
-                             "over earlier requests too), 'none' (plain "
-                             "decoding) or 'default' (the target's default draft with n-gram "
-                             "lookup, else n-gram lookup)")
-    add_runtime_args(parser)
-    add_tree_arg(parser)
-    parser.add_argument("--device", default="cpu")
-
-
-def draft_args(args: argparse.Namespace) -> dict:
-    """--draft-vocab and --draft-quant as from_pretrained takes them (unset: the defaults)."""
-    from verispec.drafters.load import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB
-
-    vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
-    quant = DEFAULT_DRAFT_QUANT if args.draft_quant is None else args.draft_quant
-    return {"draft_vocab": vocab or None, "draft_quant": None if quant == "none" else quant}
-
-
-def dequantize_arg(args: argparse.Namespace) -> str | None:
-    """--dequantize as loading.weights_for takes it ("none": None, the file's own formats)."""
-    return None if args.dequantize == "none" else args.dequantize
-
-
-def add_tree_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree-width", type=int, default=DEFAULT_TREE_WIDTH,
-                        help="greedy rows of a feature draft (the shipped one) propose token "
-                             f"trees this wide, verified in one pass (default "
-                             f"{DEFAULT_TREE_WIDTH}; 1: chains)")
-    parser.add_argument("--sampled-tree-width", type=int, default=1,
-                        help="sampled rows: that many candidates for the next token, drawn "
-                             "without replacement and verified together (default 1: chains)")
-
-
-def add_runtime_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runtime", default="auto", choices=["auto", "hf", "native"],
-                        help="native: verispec's Llama-family runtime; hf: transformers; auto "
-                             "(default): native where supported")
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto (default): bfloat16 on the native CPU runtime, else float32")
-    parser.add_argument("--int8", action="store_true",
-                        help="weight-only int8 linear layers (native runtime)")
-    parser.add_argument("--dequantize", default="auto", choices=["auto", "bf16", "none"],
-                        help="a quantized GGUF model: bf16 dequantises it through transformers "
-                             "(bfloat16 weights), none runs its own formats; auto (default): "
-                             "its own formats where the AVX2 or AVX-512 kernels multiply most "
-                             "of them as panels (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K), else bf16 "
-                             "where the C++ bfloat16 kernels run (AVX512-BF16, AMX), its own "
-                             "formats elsewhere")
-    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                        help="a draft model's head keeps the N tokens the target writes most "
-                             "(special tokens always); 0: the full head (default: 65536 where "
-                             "a ranking ships for the tokenizer)")
-    parser.add_argument("--draft-quant", default=None,
-                        choices=["q4_0", "q4_1", "q5_0", "q8_0", "none"],
-                        help="a GGUF draft's wider block matrices are re-quantised to this type "
-                             "once (cached in ~/.cache/verispec); none: as the file has them "
-                             "(default: q4_0)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -282,81 +226,6 @@ def add_serve_command(commands) -> None:
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_serve_args(serve)
     serve.set_defaults(run=run_serve)
-
-
-def add_serve_args(serve: argparse.ArgumentParser) -> None:
-    """`verispec serve`'s flags (also what `verispec.server.ray_serve:build_app` reads)."""
-    add_model_args(serve)
-    serve.add_argument("--k", default="auto",
-                       help="draft tokens per round: 'auto' (default), a number, or 'heuristic'")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=int, default=16,
-                       help="requests decoded together (default 16)")
-    serve.add_argument("--max-queue", type=int, default=64,
-                       help="requests waiting for a slot; more are answered 429 (default 64)")
-    serve.add_argument("--model-name", default=None,
-                       help="the `model` clients name (default: the target's folder or file "
-                            "name, smollm2-135m-instruct for the embedded model)")
-    serve.add_argument("--max-body-bytes", type=int, default=None,
-                       help="request bodies over this are answered 413 (default 4 MiB)")
-    serve.add_argument("--max-prompt-tokens", type=int, default=None,
-                       help="prompts over this many tokens are answered 400 (default: the "
-                            "model's context less one)")
-    serve.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on /v1/* (default: the "
-                            "VERISPEC_API_KEY environment variable; unset: no key)")
-    serve.add_argument("--protect-metrics", action="store_true",
-                       help="require the API key on /metrics and /health too")
-    serve.add_argument("--docs", action="store_true",
-                       help="serve /docs, /redoc and /openapi.json (off by default; the docs "
-                            "pages load their JavaScript and CSS from a public CDN)")
-    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="seconds the requests in flight get to finish after SIGTERM or "
-                            "Ctrl-C, then they are cancelled (default 10)")
-    serve.add_argument("--suffix-cache", default="per-key", choices=("per-key", "shared", "off"),
-                       help="whose earlier prompts and outputs a cross-request lookup (--draft "
-                            "suffix) may propose to a request: per-key (default: requests with "
-                            "the same API key), shared (every request), off (none)")
-    ray = serve.add_argument_group("several machines (Ray Serve; pip install 'verispec[ray]')")
-    ray.add_argument("--ray", action="store_true",
-                     help="serve from replicas on a Ray cluster, requests that share a prompt "
-                          "prefix going to the replica that saw it (docs/server.md)")
-    ray.add_argument("--replicas", type=int, default=None,
-                     help="replicas, each with its own engine (default 1)")
-    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
-                     help="as many replicas as the load needs, between MIN and MAX")
-    ray.add_argument("--replica-cpus", type=float, default=None, metavar="N",
-                     help="cores per replica, several replicas to a machine (default: one "
-                          "replica per machine, using all its cores)")
-    ray.add_argument("--address", default=None,
-                     help="the Ray cluster to join ('auto': the one `ray start` began on this "
-                          "machine; default: RAY_ADDRESS, else a new local one)")
-
-
-def serve_config(args: argparse.Namespace):
-    """The ServerConfig of `verispec serve`'s flags (raises ValueError on a bad one)."""
-    from verispec.server import ServerConfig
-    from verispec.server.settings import DEFAULT_MAX_BODY_BYTES
-
-    return ServerConfig(
-        max_batch=args.max_batch, max_queue=args.max_queue,
-        max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else
-        args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
-        protect_metrics=args.protect_metrics, docs=args.docs,
-        shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache)
-
-
-def serve_decoder(args: argparse.Namespace):
-    """The SpeculativeDecoder `verispec serve`'s flags name (model names resolved here)."""
-    from verispec import SpeculativeDecoder
-
-    return SpeculativeDecoder.from_pretrained(
-        target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
-        **draft_args(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 
 BLOCK_CHARS = 128  # about 32 tokens of English or code
 MAX_BLOCKS = 32  # the opening that counts: 4,096 characters
@@ -86,3 +87,17 @@ class PrefixTable:
         """A replica that died took its caches with it: its keys go to whoever serves next."""
         for key in [key for key, owner in self._owner.items() if owner == replica]:
             del self._owner[key]
+
+
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    """One HTTP request as the gateway hands it to a replica. prefix: its opening's keys
+    (affinity.prefix_keys); replica: the replica it must go to (None: the router's choice)."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    prefix: tuple[int, ...] = ()
+    replica: str | None = None

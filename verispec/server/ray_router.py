@@ -22,7 +22,7 @@ import random
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from verispec.server.affinity import TABLE_ENTRIES, PrefixTable
+from verispec.server.affinity import TABLE_ENTRIES, Forwarded, PrefixTable
 
 # app name -> the ids of its replicas the router knows (read by the gateway's /metrics)
 KNOWN_REPLICAS: dict[str, tuple[str, ...]] = {}
@@ -83,8 +83,6 @@ class PrefixAffinityRouter(RequestRouter):
 
 def _forwarded(pending_request: PendingRequest | None):
     """The gateway's Forwarded request among the call's arguments, or None (another call)."""
-    from verispec.server.ray_serve import Forwarded
-
     if pending_request is None or not pending_request.args:
         return None
     request = pending_request.args[0]

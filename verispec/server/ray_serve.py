@@ -38,7 +38,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
-from verispec.server.affinity import prefix_keys
+from verispec.server.affinity import Forwarded, prefix_keys
 from verispec.server.guards import BodyLimit, InternalErrors, send_error
 from verispec.server.metrics import merge
 from verispec.server.protocol import sse
@@ -86,20 +86,6 @@ class RayConfig:
                    replica_cpus=args.replica_cpus, address=args.address)
 
 
-@dataclass(frozen=True, slots=True)
-class Forwarded:
-    """One HTTP request as the gateway hands it to a replica. prefix: its opening's keys
-    (affinity.prefix_keys); replica: the replica it must go to (None: the router's choice)."""
-
-    method: str
-    path: str
-    query_string: bytes
-    headers: tuple[tuple[bytes, bytes], ...]
-    body: bytes
-    prefix: tuple[int, ...] = ()
-    replica: str | None = None
-
-
 class Replica:
     """`verispec serve`'s app and engine on one Ray worker. Not an ingress itself (an
     application has one: the gateway), it runs the app's lifespan as a server would: the
@@ -109,7 +95,7 @@ class Replica:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as the verispec command does
         import torch
 
-        from verispec.cli import serve_config, serve_decoder
+        from verispec.cli_args import serve_config, serve_decoder
         from verispec.server.app import create_app, default_model_name, warm_up
 
         args = argparse.Namespace(**serve_args)
@@ -297,7 +283,7 @@ def _node_cpus() -> float:
 def deployment(args: argparse.Namespace):
     """The application for `serve.run`: the gateway bound to the replicas, as `args` (the
     serve flags, parsed) say."""
-    from verispec.cli import serve_config
+    from verispec.cli_args import serve_config
 
     ray_config = RayConfig.from_args(args)
     config = serve_config(args)  # a bad flag fails here, before any replica loads a model
@@ -326,7 +312,13 @@ def deployment(args: argparse.Namespace):
                                          "target_ongoing_requests": config.max_batch}
     replicas = serve.deployment(Replica, name="Replica", **options).bind(serve_args)
     gateway = serve.deployment(
-        Gateway, name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        Gateway, name="Gateway", num_replicas=1,
+        # its router asks each replica how many requests it holds: on a busy machine an answer
+        # takes longer than Serve's first 0.1 s deadline, and a request whose prefix owner did
+        # not answer in time would go to another replica
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {
+            "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5.0",
+            "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10.0"}}},
         max_ongoing_requests=100_000,
         # longer than the replicas': what they end after --shutdown-timeout still reaches clients
         graceful_shutdown_timeout_s=config.shutdown_timeout + 5)
@@ -339,7 +331,7 @@ def build_app(args: dict):
     a flag without value takes true or false.
 
     Example: {"target": "smollm2-135m-instruct", "replicas": 2, "api-key": "sk-1"}"""
-    from verispec.cli import add_serve_args
+    from verispec.cli_args import add_serve_args
 
     parser = argparse.ArgumentParser(prog="build_app")
     add_serve_args(parser)
