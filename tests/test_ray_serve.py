@@ -9,6 +9,7 @@ before the other nodes join), so that either replica's node can leave.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import socket
@@ -229,16 +230,19 @@ def check_api_key_and_limits_hold_through_the_proxy(served, reference):
 
 
 def check_requests_sharing_a_prefix_stay_on_one_replica(served, reference):
-    # ~700 characters in common, then each its own question; ties between idle replicas are
-    # broken at random, so six requests land together by chance with probability 1/32
+    # ~700 characters in common, then each its own question. On a loaded machine Serve may
+    # still send one request past its prefix's owner (an owner's queue-length answer that comes
+    # late); at most one straggler in twelve is allowed: twelve requests placed at random land
+    # 11+ together with probability 26/4096, so the check still fails without affinity
     shared = ("You review Python code. Style: PEP 8, type hints, short docstrings. " * 10)
-    replicas = set()
+    replicas = collections.Counter()
     for question in ("Is `x=1` fine?", "Rename `foo`.", "What is a list?", "Add a test.",
-                     "Explain GIL.", "Use pathlib?"):
+                     "Explain GIL.", "Use pathlib?", "Why typing?", "Split this function.",
+                     "Is eval safe?", "Name a constant.", "Sort a dict?", "Read a file."):
         response = served.post({"prompt": shared + question, "max_tokens": 4})
         assert response.status_code == 200
-        replicas.add(response.headers["x-verispec-replica"])
-    assert len(replicas) == 1
+        replicas[response.headers["x-verispec-replica"]] += 1
+    assert replicas.most_common(1)[0][1] >= 11, replicas
 
 
 def check_concurrent_requests_use_both_replicas_and_metrics_name_them(served, reference):
