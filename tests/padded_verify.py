@@ -11,10 +11,9 @@ import torch
 
 from verispec.sampling import greedy_tokens
 from verispec.verify.chains import (
-    check_mass,
-    draft_lengths,
     follow,
     invariant_choice,
+    is_int,
     procedure,
     uniforms,
     verify_chains,
@@ -120,3 +119,22 @@ def invariant_verify(
     tokens, num_accepted = follow(draft_tokens, choice, lengths)
     check_mass(ok | (torch.arange(num_positions + 1, device=ok.device) > lengths[:, None]))
     return tokens, num_accepted
+
+
+def draft_lengths(batch_size: int, num_positions: int, num_draft, draft_tokens) -> torch.Tensor:
+    """num_draft [B] long on draft_tokens' device: K for every row when None."""
+    device = draft_tokens.device
+    if num_draft is None:
+        return torch.full((batch_size,), num_positions, dtype=torch.long, device=device)
+    values = num_draft.tolist() if isinstance(num_draft, torch.Tensor) else list(num_draft)
+    if len(values) != batch_size or not all(is_int(v) and 0 <= v <= num_positions
+                                            for v in values):
+        raise ValueError(f"num_draft must be {batch_size} integers in [0, {num_positions}], "
+                         f"got {values}")
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def check_mass(ok: torch.Tensor) -> None:
+    if not bool(ok.all()):  # as torch.multinomial, refuse rather than draw past V
+        raise ValueError("verification needs every distribution it draws from to have positive "
+                         "mass; got a row of zeros or NaN")

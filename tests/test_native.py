@@ -1,4 +1,4 @@
-"""The native Llama runtime (groundwork for issue 4): logits equal transformers', rollback is
+"""The native Llama runtime: logits equal transformers', rollback is
 exact, and in bfloat16 a position's logits do not depend on how many positions the pass holds."""
 
 from __future__ import annotations

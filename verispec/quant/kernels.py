@@ -20,8 +20,9 @@ Paths, chosen once per process at first use (`path` says which; a log line too):
 later), "avx2" where it has AVX2, FMA and F16C, "scalar" (portable C++) otherwise. All three
 give the same bits. VERISPEC_KERNELS=avx2 or =scalar forces that path; VERISPEC_KERNELS=0 turns
 the extension off ("off": the functions here then run `verispec.quant.fallback`, the one
-PyTorch path: per-row products over dequantised weights). Each path is a C++ extension built with the system compiler on first use (~1 min)
-and cached in $XDG_CACHE_HOME/verispec/quant-kernels (by default ~/.cache/...).
+PyTorch path: per-row products over dequantised weights). Each path is a C++ extension
+built with the system compiler on first use (~1 min) and cached in
+$XDG_CACHE_HOME/verispec/quant-kernels (by default ~/.cache/...).
 """
 
 from __future__ import annotations

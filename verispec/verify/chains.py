@@ -230,19 +230,6 @@ def uniforms(batch_size: int, num_positions: int, generator: torch.Generator | N
     return coins, next_uniform
 
 
-def draft_lengths(batch_size: int, num_positions: int, num_draft, draft_tokens) -> torch.Tensor:
-    """num_draft [B] long on draft_tokens' device: K for every row when None."""
-    device = draft_tokens.device
-    if num_draft is None:
-        return torch.full((batch_size,), num_positions, dtype=torch.long, device=device)
-    values = num_draft.tolist() if isinstance(num_draft, torch.Tensor) else list(num_draft)
-    if len(values) != batch_size or not all(is_int(v) and 0 <= v <= num_positions
-                                            for v in values):
-        raise ValueError(f"num_draft must be {batch_size} integers in [0, {num_positions}], "
-                         f"got {values}")
-    return torch.tensor(values, dtype=torch.long, device=device)
-
-
 def _real(num_draft: torch.Tensor, num_positions: int) -> torch.Tensor:
     """[B, K] bool: which draft slots hold real tokens."""
     return torch.arange(num_positions, device=num_draft.device) < num_draft.unsqueeze(-1)
@@ -288,12 +275,6 @@ def _finish(draft_tokens, num_accepted, next_dist, next_uniform):
     ok = next_dist.sum(dim=-1) > 0  # False for a row of zeros or NaN
     next_token = inverse_cdf(next_dist, next_uniform).clamp(max=next_dist.shape[-1] - 1)
     return _assemble(draft_tokens, num_accepted, next_token), num_accepted, ok
-
-
-def check_mass(ok: torch.Tensor) -> None:
-    if not bool(ok.all()):  # as torch.multinomial, refuse rather than draw past V
-        raise ValueError("verification needs every distribution it draws from to have positive "
-                         "mass; got a row of zeros or NaN")
 
 
 def _per_row(values, batch_size: int, device) -> torch.Tensor:
