@@ -21,7 +21,9 @@ VERISPEC_KERNELS says which kernels may run, read by `kernel_setting()`:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -122,15 +124,32 @@ def build_extension(name: str, sources: list[Path], headers: list[Path], cflags:
         log.info("%s: building (once; cached in %s)", what, folder)
     began = time.perf_counter()
     try:
-        module = cpp_extension.load(name=name, sources=[str(path) for path in sources],
-                                    build_directory=str(folder), extra_cflags=cflags,
-                                    extra_ldflags=["-lgomp"], verbose=False)
+        with _held(folder / "build.lock"):
+            # torch's own lock file: every load here holds ours first, so one found now was
+            # left by a process that died mid-load (killed, or its node gone), and torch would
+            # wait on it forever
+            (folder / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(name=name, sources=[str(path) for path in sources],
+                                        build_directory=str(folder), extra_cflags=cflags,
+                                        extra_ldflags=["-lgomp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the caller falls back
         log.warning("%s: could not build (%s); PyTorch runs instead", what, _last_line(err))
         return None
     if time.perf_counter() - began > 2:
         log.info("%s: built in %.0f s", what, time.perf_counter() - began)
     return module
+
+
+@contextlib.contextmanager
+def _held(path: Path):
+    """An exclusive lock on `path` for the block: one process at a time builds or loads a
+    folder's extension. The kernel releases it when its holder exits, however it exits."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _seed(folder: Path, name: str) -> None:
@@ -144,7 +163,8 @@ def _seed(folder: Path, name: str) -> None:
     try:
         with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
             copy = Path(scratch) / "build"
-            shutil.copytree(newest, copy, ignore=shutil.ignore_patterns("lock", "*.so"))
+            shutil.copytree(newest, copy,
+                            ignore=shutil.ignore_patterns("lock", "build.lock", "*.so"))
             os.replace(copy, folder)
     except OSError:  # another process made it first, or the copy failed: build from scratch
         pass

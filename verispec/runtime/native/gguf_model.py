@@ -2,8 +2,8 @@
 the file's blocks (`verispec.quant.linear`), float32 activations, norms and caches.
 
 Where the quantised kernels are built, every decoder layer of a pass runs in one C++ call
-(verispec/quant/kernels/forward.h); elsewhere in NativeLlama's PyTorch loop, where a float32
-pass attends query by query over each query's own keys. Either way quantized products are
+(verispec/quant/kernels/forward.h); elsewhere in NativeLlama's PyTorch loop, where a prompt
+pass attends as short passes would (GGUFLlama._attend). Either way quantized products are
 row-independent, so a position's logits are the same bits in any pass: speculative greedy
 output equals plain greedy.
 """
@@ -19,7 +19,7 @@ from verispec.quant import linear as quant_linear
 from verispec.quant.kernels import compiled
 from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
 from verispec.quant.model import GGUFModel, qk_order
-from verispec.runtime.native.attention import attend_each_query
+from verispec.runtime.native.attention import INVARIANT_MAX, attend_each_query, attention_plan
 from verispec.runtime.native.layers import LayerWeights
 from verispec.runtime.native.llama import NativeLlama
 from verispec.runtime.native.runner import NativeRunner
@@ -86,13 +86,14 @@ class GGUFLlama(NativeLlama):
     C++ call (verispec/quant/kernels/forward.h: norms, rotary, the cache write, attention, the
     MLP and the products), each position's bits independent of the pass and the thread count.
 
-    Without them the layers run in NativeLlama's PyTorch loop, where every pass attends query
-    by query, prompt passes too. The kernels quantise activations to
-    int8, which turns a last-bit difference in a position's attention output (a prompt pass's
-    one causal call rounds unlike a lone query) into a different code and a logit 0.5-1 away;
-    then a position computed once in a prompt pass and again in a verification pass (a prompt
-    reused from the cache) would part greedy speculative output from plain. One call per
-    query keeps a position's bits the same in any pass, at a few ms per query in a prompt."""
+    Without them the layers run in NativeLlama's PyTorch loop, where a prompt pass attends as
+    short passes would: in chunks planned as they are where the attention probe allows, else
+    query by query. The kernels quantise activations to int8, which turns a last-bit difference
+    in a position's attention output (a prompt pass's one causal call rounds unlike a lone
+    query) into a different code and a logit 0.5-1 away; then a position computed once in a
+    prompt pass and again in a verification pass (a prompt reused from the cache) would part
+    greedy speculative output from plain. Attending as a short pass would keeps a position's
+    bits the same in any pass."""
 
     def _fused_weights(self):
         """The weights as the quantised kernels' forward_layers takes them (a `Decoder`,
@@ -125,10 +126,22 @@ class GGUFLlama(NativeLlama):
 
     def _attend(self, q: torch.Tensor, cache, index: int, start: int, end: int,
                 plan) -> torch.Tensor:
-        """q [nh, T, d] -> [nh, T, d]: each query alone over exactly its own keys."""
+        """q [nh, T, d] -> [nh, T, d], each query with the bits a short pass gives it: where
+        the probe found rows independent, a prompt pass attends in chunks of INVARIANT_MAX
+        planned as short passes (padded keys, masked); otherwise each query alone over exactly
+        its own keys."""
         if plan is not None:
             return super()._attend(q, cache, index, start, end, plan)
-        return attend_each_query(q, cache, index, start)
+        if not self.grouped_queries:
+            return attend_each_query(q, cache, index, start)
+        length = q.shape[1]
+        parts = []
+        for first in range(0, length, INVARIANT_MAX):
+            last = min(first + INVARIANT_MAX, length)
+            chunk = attention_plan(start + first, last - first, self.shape, True, q.device)
+            parts.append(super()._attend(q[:, first:last], cache, index, start + first,
+                                         start + last, chunk))
+        return torch.cat(parts, dim=1)
 
     def describe(self) -> str:
         linears = [self.lm_head, *(part for layer in self.layers
