@@ -24,9 +24,9 @@ import sys
 import torch
 
 from verispec import SamplingParams, SpeculativeDecoder, loading
-from verispec.bench.prompts import load_jsonl, prompts_path
+from verispec.bench.prompt_sets import load_jsonl, prompts_path
 from verispec.drafters.vocab_rank import head_ids, load_ranking, special_ids
-from verispec.quant.model import GGUFModel
+from verispec.quant.quantized_model import GGUFModel
 from verispec.quant.requant import parse_type, requantized
 from verispec.runtime import make_runner
 

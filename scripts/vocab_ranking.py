@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/vocab_ranking.py \
         --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct
 
-The target answers verispec's own prompts (`verispec.distill.prompts`, never benchmark
+The target answers verispec's own prompts (`verispec.distill.training_prompts`, never benchmark
 questions) and the code requests below, greedily. Each token is scored by how often the target
 wrote it plus the probability the target gave it at every position of its answers (one pass of
 the target over each answer): the probabilities rank the many tokens it came close to writing,
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.distill.prompts import builtin_prompts
+from verispec.distill.training_prompts import builtin_prompts
 from verispec.drafters.vocab_rank import ranking_path, save_ranking
 
 # Code requests across languages (the targets this ships for write code first).

@@ -99,7 +99,7 @@ def model_folders(tmp_path_factory, tokenizer, text_target, text_draft):
 def feature_drafter(model, vocab: int, tree_width: int = 1):
     """An untrained feature head (the target's last layer, fc passing the feature through),
     drafting trees tree_width wide for greedy and sampled rows."""
-    from verispec.distill.feature import FeatureHead
+    from verispec.distill.feature_head import FeatureHead
     from verispec.drafters.feature import FeatureDrafter
     from verispec.runtime.native.shape import LlamaShape
 
@@ -190,11 +190,11 @@ def replay_verification(monkeypatch) -> list[tuple[list[int], list[int], bool]]:
     same state: the engine drew exactly the reference's draws)."""
     from padded_verify import block_verify, rejection_sample
 
-    import verispec.verify.batch as batch
+    import verispec.verify.round as verify_round
 
     references = {"block": block_verify, "token": rejection_sample}
     replays: list[tuple[list[int], list[int], bool]] = []
-    real = batch.verify_rows
+    real = verify_round.verify_rows
 
     def replaying(draft_tokens, cu_num_draft, draft_probs, target_probs, rows):
         before = [row.generator.get_state() for row in rows]
@@ -211,5 +211,5 @@ def replay_verification(monkeypatch) -> list[tuple[list[int], list[int], bool]]:
                             torch.equal(generator.get_state(), row.generator.get_state())))
         return emitted, _
 
-    monkeypatch.setattr(batch, "verify_rows", replaying)
+    monkeypatch.setattr(verify_round, "verify_rows", replaying)
     return replays

@@ -14,8 +14,8 @@ from conftest import always_accept_rows, chi2_pvalue, perturbed_copy, tiny_gpt2,
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.costs import CostModel
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-from verispec.drafters.base import ChainCut
-from verispec.drafters.batch import propose_batch
+from verispec.drafters.batch_drafting import propose_batch
+from verispec.drafters.drafter import ChainCut
 from verispec.drafters.model import propose_together
 from verispec.runtime import make_runner
 from verispec.runtime.native import NativeLlama, NativeRunner
@@ -230,7 +230,7 @@ def test_negative_control_always_accept_in_a_batch_is_detected(small_pair, monke
     target, draft = small_pair
     joint = native_joint(target)
     assert 0.5 * (joint - native_joint(draft)).abs().sum() > 0.1
-    monkeypatch.setattr("verispec.verify.batch.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
     assert chi2_pvalue(batched_counts(target, draft), joint) < 1e-6
     assert chi2_pvalue(batched_counts(target, draft, "auto"), joint) < 1e-6  # drafts are verified
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from verispec.bench import BenchConfig, run_bench
-from verispec.bench.prompts import builtin_prompts, load_jsonl
+from verispec.bench.prompt_sets import builtin_prompts, load_jsonl
 
 
 def test_bench_runs_every_method_and_writes_outputs(model_folders, tmp_path):

@@ -14,12 +14,12 @@ import torch
 from conftest import EOS_ID, byte_tokenizer, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.bench.prompts import BUILTIN
+from verispec.bench.prompt_sets import BUILTIN
 from verispec.cli import main
 from verispec.distill import DistillConfig, distill
 from verispec.distill.data import load_shard
-from verispec.distill.prompts import builtin_prompts
 from verispec.distill.train import TrainSettings, head_vocabulary, prepare, train
+from verispec.distill.training_prompts import builtin_prompts
 from verispec.drafters import ModelDrafter
 from verispec.drafters.folder import is_distilled_draft, load_draft
 from verispec.drafters.load import load_drafter
@@ -82,7 +82,7 @@ def test_data_shards_are_written(run, config):
 
 
 def test_shards_keep_the_native_targets_features_of_every_position(run, config, target):
-    from verispec.distill.feature import target_features
+    from verispec.distill.feature_head import target_features
     from verispec.runtime.native.llama import NativeLlama
 
     model, _ = target
@@ -175,7 +175,7 @@ def test_checkpoint_resume_continues_as_if_uninterrupted(run, config, target, tm
         if report.step == 8:
             raise Interrupted
 
-    from verispec.distill.model import init_draft
+    from verispec.distill.lm_draft import init_draft
 
     whole = init_draft(model, 1, head)
     train(whole, examples, heldout, head, settings, tmp_path / "whole.pt", lambda r: None)
@@ -364,7 +364,7 @@ def test_self_prompt_replies_to_other_requests_are_refused(target, tmp_path):
 
 
 def test_self_prompt_requests_span_kinds_and_subjects():
-    from verispec.distill.prompts import FIELDS, REQUEST_KINDS, question_requests
+    from verispec.distill.training_prompts import FIELDS, REQUEST_KINDS, question_requests
 
     requests = question_requests(2000, seed=0)
     assert question_requests(2000, seed=0) == requests  # seeded

@@ -28,7 +28,7 @@ from verispec.drafters import load as load_module
 from verispec.drafters.vocab_rank import head_ids, save_ranking, trim_head
 from verispec.quant import requant
 from verispec.quant.gguf import read
-from verispec.quant.model import GGUFModel
+from verispec.quant.quantized_model import GGUFModel
 from verispec.runtime import make_runner
 
 Q = GGMLQuantizationType
@@ -173,7 +173,7 @@ def test_negative_control_always_accept_with_a_trimmed_draft_is_detected(law_pai
                                                                           monkeypatch):
     target, draft = law_pair
     params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr("verispec.verify.batch.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V, SUBSET), k=3)
     counts = first_two_counts(decoder, LAW_PROMPT, V, params, N)
     assert chi2_pvalue(counts, exact_joint(target, LAW_PROMPT, params)) < 1e-6

@@ -17,7 +17,7 @@ from verispec import SamplingParams, SpeculativeDecoder, cpu, loading
 from verispec.quant import fallback, linear
 from verispec.quant.gguf import GGUFError, read
 from verispec.quant.linear import QuantMatrix
-from verispec.quant.model import GGUFModel, qk_order
+from verispec.quant.quantized_model import GGUFModel, qk_order
 from verispec.runtime import make_runner
 from verispec.runtime.native.gguf_model import gguf_runner
 
@@ -38,11 +38,12 @@ FP16_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # where each block's
 
 @pytest.fixture(params=["fallback", "kernels"])
 def products(request, monkeypatch):
-    """Run a test on PyTorch's products and on verispec.quant.kernels (skipped where not built)."""
+    """Run a test on PyTorch's products and on verispec.quant.quant_kernels (skipped where not
+    built)."""
     if request.param == "fallback":
         monkeypatch.setattr(linear, "kernels", lambda: None)
     elif linear.kernels() is None:
-        pytest.skip("verispec.quant.kernels is not built here")
+        pytest.skip("verispec.quant.quant_kernels is not built here")
     return request.param
 
 

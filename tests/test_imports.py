@@ -188,7 +188,7 @@ def test_the_package_has_no_import_cycles():
 
 def test_no_cycle_runs_through_the_draft_folder_distill_or_the_bench():
     """The cycles that went with the draft folder living in `distill` (decoder -> distill ->
-    decoder) and with the bench's shared helpers (bench.batch <-> bench.runner)."""
+    decoder) and with the bench's shared helpers (bench.throughput <-> bench.harness)."""
     owned = ("verispec.distill", "verispec.bench", "verispec.drafters.folder",
              "verispec.drafters.load", "verispec.vocab")
     graph = import_graph(PACKAGE_ROOT)

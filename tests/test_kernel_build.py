@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from verispec import cpu, kernel_build
-from verispec.quant import kernels as quant_kernels
-from verispec.runtime.native import kernels as native_kernels
+from verispec.quant import quant_kernels
+from verispec.runtime.native import bf16_kernels as native_kernels
 
 
 @pytest.mark.parametrize(("value", "enabled", "allowed"), [
@@ -96,12 +96,13 @@ def test_a_lock_left_by_a_killed_load_does_not_stop_the_next(tmp_path):
     instead of waiting for it forever."""
     module = quant_kernels.compiled()
     if module is None:
-        pytest.skip("verispec.quant.kernels is not built here")
+        pytest.skip("verispec.quant.quant_kernels is not built here")
     built = Path(module.__file__).parent
     folder = tmp_path / "verispec" / "kernels" / built.name
     shutil.copytree(built, folder, ignore=shutil.ignore_patterns("*lock"))
     (folder / "lock").touch()  # torch's lock file, as a load killed halfway leaves it
-    code = "import sys; from verispec.quant import kernels; sys.exit(kernels.compiled() is None)"
+    code = ("import sys; from verispec.quant import quant_kernels; "
+            "sys.exit(quant_kernels.compiled() is None)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path),
                                             "VERISPEC_KERNELS": module.path})

@@ -19,15 +19,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import NgramDrafter
-from verispec.runtime.native import NativeLlama, NativeRunner, batched_logits
-from verispec.runtime.native import kernels as native_kernels
+from verispec.runtime.native import NativeLlama, NativeRunner, batched_logits, bf16_kernels
 
 IDS = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = native_kernels.load()
+    module = bf16_kernels.load()
     if module is None:
         pytest.skip("verispec's C++ kernels do not run here (no AVX512-BF16, or no compiler)")
     return module

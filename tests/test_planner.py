@@ -10,7 +10,7 @@ import torch
 from verispec.config import DecodeConfig
 from verispec.costs import CostModel
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-from verispec.drafters.base import Draft
+from verispec.drafters.drafter import Draft
 from verispec.planner import RoundPlanner, RowPlan
 from verispec.policy import AcceptanceEstimate, AdaptiveK, FixedK
 

@@ -155,7 +155,7 @@ def test_a_sampled_output_with_a_prediction_keeps_the_targets_law(small_target):
 
 
 def test_negative_control_an_unverified_prediction_is_detected(small_target, monkeypatch):
-    monkeypatch.setattr("verispec.verify.batch.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(small_target, None, None, k=3)
     counts = prediction_counts(decoder, PREDICTION)
     assert chi2_pvalue(counts, target_joint(small_target)) < 1e-6

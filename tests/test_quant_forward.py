@@ -11,9 +11,9 @@ import torch
 from test_gguf import K_LAYER_TYPES, write_tiny_gguf
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.quant import kernels
+from verispec.quant import quant_kernels
 from verispec.quant.gguf import read
-from verispec.quant.model import GGUFModel
+from verispec.quant.quantized_model import GGUFModel
 from verispec.runtime.native import gguf_model
 from verispec.runtime.native.cache import TreeLinks
 from verispec.runtime.native.llama import RowPass
@@ -38,12 +38,12 @@ def tiny_file(tmp_path_factory, request):
 def path(request, monkeypatch):
     """The kernel path the process runs, forced for one test (built on first use)."""
     name = request.param
-    if not kernels.RUNS_HERE[name]():
+    if not quant_kernels.RUNS_HERE[name]():
         pytest.skip(f"this CPU cannot run the {name} path")
-    module = kernels.load(name)
+    module = quant_kernels.load(name)
     if module is None:
         pytest.skip(f"the {name} kernels could not be built here")
-    monkeypatch.setattr(kernels, "_active", lambda: (name, module))
+    monkeypatch.setattr(quant_kernels, "_active", lambda: (name, module))
     return name
 
 
@@ -187,12 +187,12 @@ def test_the_avx2_and_avx512_passes_give_the_same_bits(tiny_file, monkeypatch):
     """Both vector paths multiply in the same orders (panels or dot.h's) and run the same float
     operations around them (vector.h; the AVX2 attention on 256-bit halves in lane_sum's
     order), so a prompt pass gives the same logits on either."""
-    modules = {name: kernels.load(name) for name in ("avx2", "avx512")
-               if kernels.RUNS_HERE[name]()}
+    modules = {name: quant_kernels.load(name) for name in ("avx2", "avx512")
+               if quant_kernels.RUNS_HERE[name]()}
     if len(modules) < 2 or None in modules.values():
         pytest.skip("this CPU does not run both vector paths")
     logits = {}
     for name, module in modules.items():
-        monkeypatch.setattr(kernels, "_active", lambda n=name, m=module: (n, m))
+        monkeypatch.setattr(quant_kernels, "_active", lambda n=name, m=module: (n, m))
         logits[name] = logits_in_passes(native(tiny_file), IDS, [len(IDS)])
     assert torch.equal(logits["avx2"], logits["avx512"])

@@ -1,7 +1,7 @@
-"""The quantised-weight kernels (verispec.quant.kernels) on every path this CPU runs (AVX512-VNNI,
-AVX2, portable): exact dequantisation against gguf-py, products against an fp32 reference within
-the bound the int8 activations allow, a row's output the same bits whatever rows and threads
-share the call (batch invariance), and the same bits on every path."""
+"""The quantised-weight kernels (verispec.quant.quant_kernels) on every path this CPU runs
+(AVX512-VNNI, AVX2, portable): exact dequantisation against gguf-py, products against an fp32
+reference within the bound the int8 activations allow, a row's output the same bits whatever rows
+and threads share the call (batch invariance), and the same bits on every path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
-from verispec.quant import kernels
+from verispec.quant import quant_kernels
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -28,12 +28,12 @@ CODES = {T.Q4_0: (2, 18), T.Q4_1: (4, 20), T.Q5_0: (2, 22), T.Q5_1: (4, 24), T.Q
          T.Q4_K: (16, 144), T.Q5_K: (16, 176), T.Q6_K: (0, 192)}
 # The paths this CPU runs, known from its flags: nothing is built at collection (`load_path`
 # builds on first use and skips a test where a path does not build).
-PATHS = [path for path in ("scalar", "avx2", "avx512") if kernels.RUNS_HERE[path]()]
+PATHS = [path for path in ("scalar", "avx2", "avx512") if quant_kernels.RUNS_HERE[path]()]
 
 
 def load_path(path: str):
     """The compiled module of one kernel path, built on first use; skips where it cannot be."""
-    module = kernels.load(path)
+    module = quant_kernels.load(path)
     if module is None:
         pytest.skip(f"the {path} kernels could not be built here")
     return module
@@ -102,7 +102,7 @@ def test_dequantize_is_gguf_bit_for_bit(path, qtype):
 
 def test_get_rows_keeps_the_ids_shape():
     weight = weights(T.Q4_K, 9, 256, 1)
-    rows = kernels.get_rows(weight, T.Q4_K, torch.tensor([[8, 1], [1, 0]]))
+    rows = quant_kernels.get_rows(weight, T.Q4_K, torch.tensor([[8, 1], [1, 0]]))
     assert rows.shape == (2, 2, 256)
     assert torch.equal(bits(rows[0, 1]), bits(reference(weight, T.Q4_K)[1]))
 
@@ -205,10 +205,10 @@ def test_every_path_gives_the_portable_paths_bits(path, qtype):
 @pytest.mark.parametrize("setting, expected", [("scalar", "scalar"), ("0", "off")] +
                          ([("avx2", "avx2")] if "avx2" in PATHS else []))
 def test_the_environment_chooses_the_path(setting, expected):
-    code = ("import torch; from verispec.quant import kernels; from gguf import "
-            "GGMLQuantizationType as T; print(kernels.path); "
+    code = ("import torch; from verispec.quant import quant_kernels; from gguf import "
+            "GGMLQuantizationType as T; print(quant_kernels.path); "
             "w = torch.zeros(3, 144, dtype=torch.uint8); "
-            "print(kernels.matmul(torch.ones(2, 256), w, T.Q4_K).shape)")
+            "print(quant_kernels.matmul(torch.ones(2, 256), w, T.Q4_K).shape)")
     env = {**os.environ, "VERISPEC_KERNELS": setting}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split("\n")
@@ -218,16 +218,16 @@ def test_the_environment_chooses_the_path(setting, expected):
 def test_bfloat16_activations_are_their_float32_values():
     weight = weights(T.Q6_K, 8, 256, 1)
     x = activations(3, 256, 2).to(torch.bfloat16)
-    assert torch.equal(bits(kernels.matmul(x, weight, T.Q6_K)),
-                       bits(kernels.matmul(x.float(), weight, T.Q6_K)))
+    assert torch.equal(bits(quant_kernels.matmul(x, weight, T.Q6_K)),
+                       bits(quant_kernels.matmul(x.float(), weight, T.Q6_K)))
 
 
 def test_leading_dimensions_are_kept():
     weight = weights(T.Q8_0, 8, 64, 0)
     x = activations(6, 64, 2)
-    y = kernels.matmul(x.reshape(2, 3, 64), weight, T.Q8_0)
+    y = quant_kernels.matmul(x.reshape(2, 3, 64), weight, T.Q8_0)
     assert y.shape == (2, 3, 8) and torch.equal(bits(y.reshape(6, 8)),
-                                                bits(kernels.matmul(x, weight, T.Q8_0)))
+                                                bits(quant_kernels.matmul(x, weight, T.Q8_0)))
 
 
 # (e) bad input -------------------------------------------------------------------------------
@@ -237,21 +237,21 @@ def test_bad_input_is_refused_with_a_clear_message():
     weight = weights(T.Q4_K, 4, 256, 1)  # rows of 144 bytes: K = 256
     x = activations(2, 256, 0)
     with pytest.raises(ValueError, match="not whole blocks"):
-        kernels.matmul(x, weight[:, :100].contiguous(), T.Q4_K)
+        quant_kernels.matmul(x, weight[:, :100].contiguous(), T.Q4_K)
     with pytest.raises(ValueError, match="has no quantised kernel"):
-        kernels.matmul(x, weight, T.Q2_K)
+        quant_kernels.matmul(x, weight, T.Q2_K)
     with pytest.raises(ValueError, match="has no quantised kernel"):
-        kernels.dequantize(weight, 99)
+        quant_kernels.dequantize(weight, 99)
     with pytest.raises(ValueError, match="not a multiple of Q4_K's block of 256"):
-        kernels.matmul(activations(2, 100, 0), weight, T.Q4_K)
+        quant_kernels.matmul(activations(2, 100, 0), weight, T.Q4_K)
     with pytest.raises(ValueError, match="K = 512 features but the Q4_K weight's rows hold 256"):
-        kernels.matmul(activations(2, 512, 0), weight, T.Q4_K)
+        quant_kernels.matmul(activations(2, 512, 0), weight, T.Q4_K)
     with pytest.raises(ValueError, match="uint8 tensor"):
-        kernels.matmul(x, weight.to(torch.int16), T.Q4_K)
+        quant_kernels.matmul(x, weight.to(torch.int16), T.Q4_K)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        kernels.matmul(x.to(torch.int32), weight, T.Q4_K)
+        quant_kernels.matmul(x.to(torch.int32), weight, T.Q4_K)
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\)"):
-        kernels.get_rows(weight, T.Q4_K, torch.tensor([0, 4]))
+        quant_kernels.get_rows(weight, T.Q4_K, torch.tensor([0, 4]))
 
 
 # (d) panels: weights repacked by 16 rows, multiplied 16 outputs at a time (panels.h) -----------
@@ -280,8 +280,8 @@ def test_the_vector_paths_multiply_every_panel_type_as_panels():
     for path in PATHS:
         expected = [] if path == "scalar" else sorted(PANEL_TYPES)
         assert sorted(load_path(path).panel_types()) == expected, path
-    assert frozenset(PANEL_TYPES) == kernels.PANEL_TYPES
-    assert kernels.panel_types_here() == kernels.panel_types()
+    assert frozenset(PANEL_TYPES) == quant_kernels.PANEL_TYPES
+    assert quant_kernels.panel_types_here() == quant_kernels.panel_types()
 
 
 @pytest.mark.parametrize("setting, runs", [("1", True), ("avx512", True), ("avx2", True),
@@ -290,10 +290,10 @@ def test_panel_types_here_follow_the_kernel_setting(monkeypatch, setting, runs):
     """Panels wherever a vector path may run on an AVX2 CPU; none on the portable path, with the
     kernels off, or on a CPU without AVX2."""
     monkeypatch.setenv("VERISPEC_KERNELS", setting)
-    monkeypatch.setattr(kernels.cpu, "has_avx2", lambda: True)
-    assert kernels.panel_types_here() == (kernels.PANEL_TYPES if runs else frozenset())
-    monkeypatch.setattr(kernels.cpu, "has_avx2", lambda: False)  # neither vector path runs
-    assert kernels.panel_types_here() == frozenset()
+    monkeypatch.setattr(quant_kernels.cpu, "has_avx2", lambda: True)
+    assert quant_kernels.panel_types_here() == (quant_kernels.PANEL_TYPES if runs else frozenset())
+    monkeypatch.setattr(quant_kernels.cpu, "has_avx2", lambda: False)  # neither vector path runs
+    assert quant_kernels.panel_types_here() == frozenset()
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
@@ -361,9 +361,9 @@ def test_a_rows_packed_output_does_not_depend_on_the_other_rows_or_threads(path,
 
 
 def test_panels_refuse_what_they_cannot_hold():
-    if not kernels.panel_types():
+    if not quant_kernels.panel_types():
         pytest.skip("the active path multiplies no type as panels")
     with pytest.raises(ValueError, match="no panel layout"):
-        kernels.pack(weights(T.Q4_K, 24, 256, 1), T.Q4_K)  # 24 rows: not whole panels
+        quant_kernels.pack(weights(T.Q4_K, 24, 256, 1), T.Q4_K)  # 24 rows: not whole panels
     with pytest.raises(ValueError, match="no panel layout"):
-        kernels.pack(weights(T.Q5_1, 16, 256, 1), T.Q5_1)
+        quant_kernels.pack(weights(T.Q5_1, 16, 256, 1), T.Q5_1)

@@ -111,8 +111,8 @@ def named_actors(part: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def served():
-    from verispec.quant.kernels import compiled
-    from verispec.runtime.native.kernels import load
+    from verispec.quant.quant_kernels import compiled
+    from verispec.runtime.native.bf16_kernels import load
 
     compiled(), load()  # the C++ kernels built here, once: the replicas only load them
     cluster = Cluster(initialize_head=True, head_node_args={

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_gpt2, tiny_llama
 
-from verispec.distill.feature import FeatureHead
+from verispec.distill.feature_head import FeatureHead
 from verispec.drafters.feature import FeatureDrafter
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams

@@ -159,7 +159,7 @@ def test_engine_with_suffix_lookup_matches_target_joint(target):
 
 def test_negative_control_always_accept_with_suffix_lookup_is_detected(target, monkeypatch):
     params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr("verispec.verify.batch.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(target, None, SuffixDrafter(), k=3)
     counts = first_two_counts(decoder, PROMPT, V, params, N_CONTROL)
     assert chi2_pvalue(counts, exact_joint(target, PROMPT, params)) < 1e-6
@@ -209,8 +209,8 @@ def test_cli_generate_with_suffix_lookup_equals_plain(capsys, model_folders):
 
 
 def test_bench_runs_the_suffix_method(model_folders, tmp_path):
-    from verispec.bench.config import BenchConfig
-    from verispec.bench.runner import run_bench
+    from verispec.bench.bench_config import BenchConfig
+    from verispec.bench.harness import run_bench
 
     config = BenchConfig(target=str(model_folders / "target"), draft=None,
                          methods=("baseline", "ngram", "suffix"), ks=(4,), per_category=1,

@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from verispec.drafters.base import Draft
-from verispec.runtime.native import NativeLlama, NativeRunner, batched_logits
-from verispec.runtime.native import kernels as native_kernels
+from verispec.drafters.drafter import Draft
+from verispec.runtime.native import NativeLlama, NativeRunner, batched_logits, bf16_kernels
 from verispec.runtime.native.cache import TreeLinks
 from verispec.runtime.native.llama import RowPass
 
@@ -37,7 +36,7 @@ PATHS = {  # runtime -> (head_dim, dtype, kernels on)
 @pytest.fixture(params=list(PATHS))
 def native(request, monkeypatch):
     head_dim, dtype, use_kernels = PATHS[request.param]
-    if use_kernels and native_kernels.load() is None:
+    if use_kernels and bf16_kernels.load() is None:
         pytest.skip("verispec's C++ kernels do not run here")
     monkeypatch.setenv("VERISPEC_KERNELS", "1" if use_kernels else "0")
     model = NativeLlama.from_hf(tiny(head_dim, dtype))

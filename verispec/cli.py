@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from verispec.bench.config import ALL_METHODS, DEFAULT_METHODS
+from verispec.bench.bench_config import ALL_METHODS, DEFAULT_METHODS
 from verispec.cli_args import (
     add_model_args,
     add_runtime_args,

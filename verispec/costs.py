@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from verispec.config import MAX_TREE_NODES
-from verispec.drafters.base import follow_target
-from verispec.drafters.batch import propose_batch
+from verispec.drafters.batch_drafting import propose_batch
+from verispec.drafters.drafter import follow_target
 from verispec.params import SamplingParams
 from verispec.runtime import batched_logits
 from verispec.sampling import sample, warp

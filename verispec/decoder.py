@@ -15,7 +15,7 @@ from verispec.config import DEFAULT_TREE_WIDTH, DecodeConfig, check_tree_width
 from verispec.cost_table import CostTable
 from verispec.costs import CostModel
 from verispec.drafters import Drafter
-from verispec.drafters.base import follow_target
+from verispec.drafters.drafter import follow_target
 from verispec.drafters.load import (
     DEFAULT_DRAFT_QUANT,
     DEFAULT_DRAFT_VOCAB,

@@ -1,9 +1,9 @@
 """Finding and loading models: the embedded default, HF folders and GGUF files, offline.
 
 A quantized GGUF file loads, under dtype "auto", as whichever of two runs faster on this CPU
-(`weights_for`): as it is (`verispec.quant.model.GGUFModel`: the file memory-mapped, its weights
-at their own bit width, for the native runtime) where the quantised kernels multiply most of
-its weights as panels of 16 rows (the AVX2 and AVX-512 paths: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
+(`weights_for`): as it is (`verispec.quant.quantized_model.GGUFModel`: the file memory-mapped,
+its weights at their own bit width, for the native runtime) where the quantised kernels multiply
+most of its weights as panels of 16 rows (the AVX2 and AVX-512 paths: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
 Q5_K, Q6_K: Q4_K_M files and the embedded Q4_1 SmolLM2) or where the C++ bfloat16 kernels do
 not run; otherwise (other types on an AVX512-BF16 or AMX CPU) dequantised to bfloat16, since
 those kernels beat the quantised ones there. Its tokenizer is converted from the metadata by
@@ -34,11 +34,10 @@ from transformers import logging as hf_logging
 
 from verispec import cpu, kernel_build, models
 from verispec.errors import ModelNotFoundError
-from verispec.quant import gguf
-from verispec.quant import kernels as quant_kernels
-from verispec.quant.model import GGUFModel
-from verispec.runtime.base import DTYPES
+from verispec.quant import gguf, quant_kernels
+from verispec.quant.quantized_model import GGUFModel
 from verispec.runtime.hf import grouped_sdpa
+from verispec.runtime.runner import DTYPES
 
 log = logging.getLogger("verispec")
 

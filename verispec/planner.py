@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
 from verispec.costs import CostModel
-from verispec.drafters.base import ChainCut, Draft, unread
+from verispec.drafters.drafter import ChainCut, Draft, unread
 from verispec.drafters.hybrid import HybridDrafter, tree_width_of
 from verispec.policy import AdaptiveK
 from verispec.request import Request

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter
+from verispec.drafters.drafter import Draft, Drafter
 from verispec.drafters.prediction import PredictionLookup
 from verispec.params import SamplingParams
 from verispec.policy import KPolicy

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Draft, Drafter, catch_up, empty_draft, follow_target, retire
-from verispec.drafters.batch import propose_batch
+from verispec.drafters.batch_drafting import propose_batch
+from verispec.drafters.drafter import Draft, Drafter, catch_up, empty_draft, follow_target, retire
 from verispec.drafters.prediction import PredictionLookup, is_prediction
 from verispec.params import SamplingParams
 from verispec.planner import RoundPlanner
@@ -44,7 +44,7 @@ from verispec.sampling import make_generator
 from verispec.stats import StatsRecorder
 from verispec.text import TextStream
 from verispec.verify import Verified, verify_drafts
-from verispec.verify.batch import RowState
+from verispec.verify.round import RowState
 
 log = logging.getLogger("verispec")
 

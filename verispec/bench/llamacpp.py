@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verispec import loading
-from verispec.bench.config import LLAMA_CPP_METHODS as METHODS
+from verispec.bench.bench_config import LLAMA_CPP_METHODS as METHODS
 from verispec.bench.methods import MethodRun
 from verispec.errors import ModelNotFoundError
 from verispec.params import SamplingParams

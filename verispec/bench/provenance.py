@@ -66,7 +66,7 @@ def cpu_info(cpuinfo: str | None = None) -> dict:
 
 def kernel_path(isa: dict[str, bool]) -> str:
     """Which of verispec's C++ kernel paths these flags allow (the kernels' own rule:
-    verispec/runtime/native/kernels.py)."""
+    verispec/runtime/native/bf16_kernels.py)."""
     if not isa.get("avx512_bf16"):
         return "none"
     return "amx" if isa.get("amx_tile") and isa.get("amx_bf16") else "avx512-bf16"

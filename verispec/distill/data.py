@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from verispec.decoder import SpeculativeDecoder
 from verispec.params import SamplingParams
-from verispec.runtime.native.runner import NativeRunner
+from verispec.runtime.native.native_runner import NativeRunner
 from verispec.scheduler import Scheduler
 
 log = logging.getLogger("verispec.distill")

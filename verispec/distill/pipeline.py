@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from verispec import loading
-from verispec.distill.config import DistillConfig
 from verispec.distill.data import ShardPlan, Teacher, generate_texts, load_shard, write_shards
-from verispec.distill.feature import (
+from verispec.distill.distill_config import DistillConfig
+from verispec.distill.feature_head import (
     FEATURE_UNROLL,
     FeatureHead,
     FeatureTrainSettings,
@@ -46,13 +46,7 @@ from verispec.distill.feature import (
     target_features,
     train_feature_head,
 )
-from verispec.distill.model import init_draft
-from verispec.distill.prompts import (
-    builtin_prompts,
-    passage_requests,
-    question_requests,
-    summary_prompt,
-)
+from verispec.distill.lm_draft import init_draft
 from verispec.distill.train import (
     TrainReport,
     TrainSettings,
@@ -60,6 +54,12 @@ from verispec.distill.train import (
     head_vocabulary,
     prepare,
     train,
+)
+from verispec.distill.training_prompts import (
+    builtin_prompts,
+    passage_requests,
+    question_requests,
+    summary_prompt,
 )
 from verispec.drafters.folder import save_draft, save_feature_draft
 from verispec.runtime.native.llama import NativeLlama

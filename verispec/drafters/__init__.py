@@ -7,7 +7,7 @@ drafter that reads the target's hidden states (`FeatureDrafter`) also has `follo
 which the decoder and the scheduler call with the target runner of the same sequence.
 """
 
-from verispec.drafters.base import Draft, Drafter
+from verispec.drafters.drafter import Draft, Drafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter

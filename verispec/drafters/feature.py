@@ -1,4 +1,4 @@
-"""A drafter that reads the target's features: an EAGLE-style head (`verispec.distill.feature`)
+"""A drafter that reads the target's features: an EAGLE-style head (`verispec.distill.feature_head`)
 run on the native runtime.
 
 The target's native runner keeps every position's last hidden state (`runner.features`). After a
@@ -23,13 +23,12 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from verispec.config import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
-from verispec.drafters.base import Draft, empty_draft
+from verispec.drafters.drafter import Draft, empty_draft
 from verispec.drafters.model import fit_vocab
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
 from verispec.runtime import Runner, common_prefix
-from verispec.runtime.native import NativeRunner
-from verispec.runtime.native import kernels as bf16_kernels
+from verispec.runtime.native import NativeRunner, bf16_kernels
 from verispec.runtime.native.cache import TreeLinks
 from verispec.runtime.native.gguf_model import GGUFLlama
 from verispec.runtime.native.layers import LayerWeights, Linear

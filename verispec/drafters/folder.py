@@ -129,7 +129,7 @@ def save_draft(draft: LlamaForCausalLM, head_token_ids: torch.Tensor, folder: Pa
 def save_feature_draft(head: nn.Module, head_token_ids: torch.Tensor, folder: Path,
                        target: PreTrainedModel, tokenizer, card: str) -> None:
     """Write a feature draft's folder from its head (a module with `taps`, as
-    `verispec.distill.feature.FeatureHead`); bfloat16 weights."""
+    `verispec.distill.feature_head.FeatureHead`); bfloat16 weights."""
     config = LlamaConfig.from_dict(target.config.to_dict())
     config.num_hidden_layers = 1
     weights = {name: value.detach().to(torch.bfloat16).contiguous()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, catch_up, follow_target, unread
+from verispec.drafters.drafter import Draft, catch_up, follow_target, unread
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.suffix import SuffixDrafter
@@ -43,7 +43,7 @@ class HybridDrafter:
         catch_up(self.model, prefix_ids)
 
     def unread(self, history: torch.Tensor) -> int:
-        """What the draft model has not read of history [L] (verispec.drafters.base.unread)."""
+        """What the draft model has not read of history [L] (verispec.drafters.drafter.unread)."""
         return unread(self.model, history)
 
     def reset(self) -> None:

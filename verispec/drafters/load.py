@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from verispec import loading
 from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
-from verispec.drafters.base import Drafter
+from verispec.drafters.drafter import Drafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.folder import (
     is_distilled_draft,
@@ -34,7 +34,7 @@ from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.suffix import SuffixDrafter
 from verispec.drafters.vocab_rank import head_ids, load_ranking, special_ids, trim_head
 from verispec.errors import IncompatibleDraftError
-from verispec.quant.model import GGUFModel
+from verispec.quant.quantized_model import GGUFModel
 from verispec.quant.requant import parse_type, requantized
 from verispec.runtime import make_runner
 from verispec.vocab import check_vocab, eos_ids, vocab_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters.base import ChainCut, Draft, empty_draft
+from verispec.drafters.drafter import ChainCut, Draft, empty_draft
 from verispec.params import SamplingParams
 from verispec.runtime import HFRunner, Runner, batched_logits, common_prefix
 from verispec.sampling import draw, greedy_tokens, warp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec.drafters.base import Draft, empty_draft
+from verispec.drafters.drafter import Draft, empty_draft
 from verispec.params import SamplingParams
 
 

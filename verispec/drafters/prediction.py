@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, empty_draft
+from verispec.drafters.drafter import Draft, empty_draft
 
 # Draft.source of a proposal of the prediction's first tokens at the output's start (before any
 # n-gram of the output exists to match)

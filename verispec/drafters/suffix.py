@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, empty_draft
+from verispec.drafters.drafter import Draft, empty_draft
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.suffix_cache import SuffixCache
 from verispec.params import SamplingParams

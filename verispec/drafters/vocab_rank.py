@@ -114,7 +114,7 @@ def trim_head(model, token_ids: torch.Tensor) -> None:
     reads n rows instead of the vocabulary's."""
     from verispec.quant.gguf import GGUFTensor
     from verispec.quant.linear import QuantMatrix
-    from verispec.quant.model import GGUFModel
+    from verispec.quant.quantized_model import GGUFModel
 
     ids = token_ids.long()
     if isinstance(model, GGUFModel):

@@ -1,7 +1,9 @@
 """Quantized GGUF models at the file's own bit width.
 
 - `gguf`: reading a GGUF file (metadata, tensors as views of the memory-mapped file).
-- `model`: `GGUFModel`, the configuration from the metadata and the embedding/head tables.
+- `quantized_model`: `GGUFModel`, the configuration from the metadata and the embedding/head
+  tables.
 - `linear`: the layers the native runtime computes with (`QuantMatrix`, `QuantLinear`).
-- `kernels`: C++ products on the file's blocks; `fallback`: the same in PyTorch ops.
+- `quant_kernels`: C++ products on the file's blocks (their sources in `kernels/`); `fallback`:
+  the same in PyTorch ops.
 """

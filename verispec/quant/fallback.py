@@ -1,5 +1,5 @@
 """GGUF blocks in PyTorch ops: dequantisation and products, where verispec's C++ kernels
-(`verispec.quant.kernels`) are not available. Correct and slow: every product expands its
+(`verispec.quant.quant_kernels`) are not available. Correct and slow: every product expands its
 weight to float32 first.
 
 Dequantisation follows the `gguf` package's reference (`gguf.quants`) operation for operation

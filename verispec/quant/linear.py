@@ -7,7 +7,7 @@ F32/F16/BF16 hold the values; any other type is dequantised to bfloat16 when it 
 in a log line. `QuantLinear` is y = x W^T + b over one; indexing a `QuantMatrix` by ids gives
 dequantised rows (the embedding lookup, and the head rows a feature draft reads).
 
-Products run on `verispec.quant.kernels` (C++, int8 activations per block) where it is built,
+Products run on `verispec.quant.quant_kernels` (C++, int8 activations per block) where it is built,
 else in PyTorch (`verispec.quant.fallback`). Where the kernel path multiplies a type as panels
 (the AVX2 and AVX-512 paths: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), a layer repacks its
 weight once when it is built (a copy in memory the size of the file's tensor) and multiplies 16
@@ -36,9 +36,9 @@ Q = GGMLQuantizationType
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """verispec.quant.kernels where its C++ path is built and on, else None (PyTorch)."""
+    """verispec.quant.quant_kernels where its C++ path is built and on, else None (PyTorch)."""
     try:
-        from verispec.quant import kernels as module
+        from verispec.quant import quant_kernels as module
     except ImportError:
         module = None
     if module is None or getattr(module, "path", "off") == "off":

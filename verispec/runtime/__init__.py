@@ -1,7 +1,7 @@
 """Runners: one sequence of a causal LM with its KV cache, behind one protocol.
 
 The layers, top to bottom:
-- `base`: the `Runner` protocol (all that drafters, the engine and the scheduler may call:
+- `runner`: the `Runner` protocol (all that drafters, the engine and the scheduler may call:
   logits for a row, rollback, reset, sibling, the cached ids, the model's limits) and
   `PrefixRunner`, the bookkeeping of which tokens a cache holds, shared by every runtime.
 - `hf`: `HFRunner`, any transformers causal LM with a croppable cache, through its own code.
@@ -19,12 +19,12 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
-from verispec.quant.model import GGUFModel
-from verispec.runtime.base import DTYPES, PrefixRunner, Runner, common_prefix
+from verispec.quant.quantized_model import GGUFModel
 from verispec.runtime.hf import HFRunner
 from verispec.runtime.native import NativeLlama, NativeRunner, UnsupportedModelError
 from verispec.runtime.native import batched_logits as native_batched_logits
 from verispec.runtime.native.gguf_model import gguf_runner
+from verispec.runtime.runner import DTYPES, PrefixRunner, Runner, common_prefix
 
 log = logging.getLogger("verispec")
 

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verispec.runtime.base import PrefixRunner
+from verispec.runtime.runner import PrefixRunner
 
 GROUPED_SDPA = "verispec_grouped_sdpa"
 

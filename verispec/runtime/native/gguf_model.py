@@ -16,13 +16,13 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from verispec.quant import linear as quant_linear
-from verispec.quant.kernels import compiled
 from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
-from verispec.quant.model import GGUFModel, qk_order
+from verispec.quant.quant_kernels import compiled
+from verispec.quant.quantized_model import GGUFModel, qk_order
 from verispec.runtime.native.attention import INVARIANT_MAX, attend_each_query, attention_plan
 from verispec.runtime.native.layers import LayerWeights
 from verispec.runtime.native.llama import NativeLlama
-from verispec.runtime.native.runner import NativeRunner
+from verispec.runtime.native.native_runner import NativeRunner
 from verispec.runtime.native.shape import LlamaShape
 
 log = logging.getLogger("verispec")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verispec.runtime.native import kernels
+from verispec.runtime.native import bf16_kernels
 from verispec.runtime.native.attention import INVARIANT_MAX
 
 log = logging.getLogger("verispec")
@@ -39,7 +39,7 @@ class Linear:
         cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
         if int8 and not cpu_bf16:
             raise ValueError("int8 weights need bfloat16 activations on the CPU")
-        self.kernels = kernels.load() if cpu_bf16 and weight.shape[1] % 32 == 0 else None
+        self.kernels = bf16_kernels.load() if cpu_bf16 and weight.shape[1] % 32 == 0 else None
         if int8:
             scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
             self.weight = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(

@@ -14,12 +14,12 @@ from tqdm import tqdm
 
 from verispec import loading
 from verispec.bench import llamacpp
-from verispec.bench.batch import run_batch_bench, write_batch_outputs
-from verispec.bench.config import BenchConfig
+from verispec.bench.bench_config import BenchConfig
 from verispec.bench.interleave import rotated
 from verispec.bench.methods import HFMethod, MethodRun, VerispecMethod
-from verispec.bench.prompts import builtin_prompts, load_jsonl
+from verispec.bench.prompt_sets import builtin_prompts, load_jsonl
 from verispec.bench.report import REFERENCE, summarise, write_outputs
+from verispec.bench.throughput import run_batch_bench, write_batch_outputs
 from verispec.decoder import SpeculativeDecoder
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from verispec.drafters.feature import FeatureDrafter

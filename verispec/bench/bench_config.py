@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from verispec.bench.prompts import prompts_path
+from verispec.bench.prompt_sets import prompts_path
 from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
 from verispec.drafters.load import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB
 from verispec.params import VERIFY_METHODS

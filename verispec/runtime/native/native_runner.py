@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.runtime.base import PrefixRunner, common_prefix
 from verispec.runtime.native.attention import INVARIANT_MAX
 from verispec.runtime.native.cache import TreeLinks, check_taps
 from verispec.runtime.native.llama import NativeLlama, RowPass
+from verispec.runtime.runner import PrefixRunner, common_prefix
 
 
 class NativeRunner(PrefixRunner):

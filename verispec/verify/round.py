@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.base import Draft
+from verispec.drafters.drafter import Draft
 from verispec.params import SamplingParams
 from verispec.sampling import warp
 from verispec.verify.rows import RowVerification, verify_rows

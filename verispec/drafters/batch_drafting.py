@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from verispec.drafters.base import ChainCut, Draft, Drafter, empty_draft
+from verispec.drafters.drafter import ChainCut, Draft, Drafter, empty_draft
 from verispec.drafters.feature import FeatureDrafter, propose_features_together
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter, propose_together
