@@ -1,5 +1,5 @@
 // The AVX2 kernel path (built with -mavx2 -mfma -mf16c; loaded only where the CPU has all
-// three, which verispec/quant/kernels.py checks).
+// three, which verispec/quant/quant_kernels.py checks).
 
 #include "avx2.h"
 #include "rows.h"

@@ -1,5 +1,5 @@
 // The AVX512-VNNI kernel path (built with AVX-512 F/BW/VL/VNNI beside AVX2, FMA and F16C;
-// loaded only where the CPU has them all, which verispec/quant/kernels.py checks).
+// loaded only where the CPU has them all, which verispec/quant/quant_kernels.py checks).
 
 #include "avx512.h"
 #include "rows.h"

@@ -1,6 +1,6 @@
 // The Python-facing operations, one module per kernel path (built with scalar.cpp or avx2.cpp): the product of float activations with a GGUF-quantised weight,
 // exact dequantisation, and row lookup.
-// verispec/quant/kernels.py validates arguments first and says what is wrong; the checks here
+// verispec/quant/quant_kernels.py validates arguments first and says what is wrong; the checks here
 // only keep a bad call from reading out of bounds.
 
 #include "activations.h"

@@ -18,7 +18,7 @@
 // So a position's logits are the same bits in a pass of 1, K+1 or many positions and rows
 // (tests/test_kernels.py checks it), and speculative greedy equals plain greedy. Prompt passes
 // (more than `short_pass` positions) attend with torch's fused causal kernel, whose rounding
-// depends on their length; they run in passes of their own (runtime/native/runner.py).
+// depends on their length; they run in passes of their own (runtime/native/native_runner.py).
 //
 // Rounding mirrors transformers' bfloat16 modules: every op's output is rounded to bfloat16,
 // accumulations run in fp32.
