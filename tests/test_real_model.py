@@ -93,12 +93,19 @@ def test_native_runtime_matches_transformers_on_smollm2(smollm):
     assert fp32.token_ids == hf.token_ids
 
 
-def test_the_shipped_draft_is_the_default_and_keeps_greedy_exact(smollm):
+@pytest.mark.parametrize("head", ["auto", "q8_0"])
+def test_the_shipped_draft_is_the_default_and_keeps_greedy_exact(smollm, head, monkeypatch):
     """The draft distilled for SmolLM2 ships in the package and is the default drafter (with
-    n-gram lookup); greedy output stays the target's, and its own proposals are accepted."""
+    n-gram lookup); greedy output stays the target's, and its own proposals are accepted.
+    q8_0: without the bfloat16 kernels (as on an AVX2-only CPU) the head's matrices are
+    quantised to Q8_0 and its layer runs on the quantised kernels, as the target's do."""
     from verispec.drafters import HybridDrafter
     from verispec.drafters.feature import FeatureDrafter
+    from verispec.quant.linear import QuantLinear
+    from verispec.runtime.native.gguf_model import GGUFLlama
 
+    if head == "q8_0":
+        monkeypatch.setenv("VERISPEC_KERNELS", "avx2")  # the bfloat16 kernels off
     model, tokenizer = smollm
     assert loading.default_draft(None) == loading.EMBEDDED_DRAFT
     spec = SpeculativeDecoder.from_pretrained()
@@ -116,6 +123,11 @@ def test_the_shipped_draft_is_the_default_and_keeps_greedy_exact(smollm):
         assert got.token_ids == expected
         accepted += got.stats.accepted
     assert accepted >= 20  # the draft alone: a fair share of its 3-token proposals pass
+    if head == "q8_0":
+        native = draft_only.drafter.model.native
+        assert isinstance(native, GGUFLlama) and native.fused is not None
+        assert isinstance(native.lm_head, QuantLinear)
+        assert native.lm_head.weight.qtype.name == "Q8_0"
     hf = SpeculativeDecoder.from_pretrained(runtime="hf")  # no features there: lookup instead
     assert isinstance(hf.drafter, NgramDrafter)
 

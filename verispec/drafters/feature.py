@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 from transformers import PreTrainedModel
 
 from verispec.config import DEFAULT_TREE_WIDTH, MAX_TREE_NODES, check_tree_width
@@ -27,6 +29,8 @@ from verispec.drafters.drafter import Draft, empty_draft
 from verispec.drafters.model import fit_vocab
 from verispec.errors import IncompatibleDraftError
 from verispec.params import SamplingParams
+from verispec.quant.gguf import GGUFTensor
+from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
 from verispec.runtime import Runner, common_prefix
 from verispec.runtime.native import NativeRunner, bf16_kernels
 from verispec.runtime.native.cache import TreeLinks
@@ -331,42 +335,51 @@ class _FeatureModel:
     """The head's weights on the target's runtime: fc, one layer, the target's norm and head
     rows (a NativeLlama of one layer fed with fused vectors instead of token embeddings).
 
-    Beside a quantised (GGUF) target, whose activations are float32, the head runs in bfloat16
-    on verispec's bfloat16 kernels where they run (AVX512-BF16 or AMX), its layer in one C++
-    call: a draft only proposes, so its rounding never reaches the output, and its float32
-    PyTorch layer cost most of a quantised target's step (SmolLM2: c 0.80 -> 0.15). Elsewhere
-    it runs in the target's dtype, as training computed it."""
+    Beside a quantised (GGUF) target, whose activations are float32, the head runs on
+    verispec's kernels, its layer in one C++ call: in bfloat16 where the bfloat16 kernels run
+    (AVX512-BF16 or AMX), else with its matrices quantised to Q8_0 at load on the quantised
+    kernels (AVX2, AVX-512 without BF16). A draft only proposes, so its rounding never reaches
+    the output, and its float32 PyTorch layer cost most of a quantised target's step (SmolLM2:
+    c 0.80 -> 0.15 in bfloat16). Elsewhere it runs in the target's dtype, as training computed
+    it."""
 
     def __init__(self, weights: dict[str, torch.Tensor], head_token_ids: torch.Tensor,
                  target: PreTrainedModel, target_native: NativeLlama) -> None:
         device = target_native.device
-        quantised = isinstance(target_native, GGUFLlama)
-        dtype = torch.bfloat16 if quantised and device.type == "cpu" and \
-            bf16_kernels.load() is not None else target_native.dtype
+        quantised = isinstance(target_native, GGUFLlama) and device.type == "cpu"
+        in_bf16 = quantised and bf16_kernels.load() is not None
+        in_q8 = quantised and not in_bf16 and target_native.fused is not None
+        dtype = torch.bfloat16 if in_bf16 else target_native.dtype
 
         def cast(name: str) -> torch.Tensor:
             return weights[name].to(dtype=dtype, device=device).contiguous()
 
+        def linear(*names: str):  # y = x W^T, W the named matrices stacked by rows
+            if in_q8:
+                parts = [_q8_0(name, weights[name]) for name in names]
+                return parts[0] if len(parts) == 1 else ConcatLinear(parts)
+            return Linear(torch.cat([cast(name) for name in names]))
+
         layer = LayerWeights(
-            attn_norm=cast("attn_norm"),
-            qkv=Linear(torch.cat([cast("q.weight"), cast("k.weight"), cast("v.weight")])),
-            out=Linear(cast("o.weight")),
-            mlp_norm=cast("mlp_norm"),
-            gate_up=Linear(torch.cat([cast("gate.weight"), cast("up.weight")])),
-            down=Linear(cast("down.weight")))
+            attn_norm=cast("attn_norm"), qkv=linear("q.weight", "k.weight", "v.weight"),
+            out=linear("o.weight"), mlp_norm=cast("mlp_norm"),
+            gate_up=linear("gate.weight", "up.weight"), down=linear("down.weight"))
         head = target.get_output_embeddings().weight.detach()[head_token_ids]
         shape = dataclasses.replace(LlamaShape.from_config(target.config), num_layers=1,
                                     vocab_size=int(head_token_ids.numel()))
         self.embed = target_native.embed  # [V, H], the target's own table
         self.dtype = dtype
-        self.fc = Linear(cast("fc.weight"))  # 2H -> H
-        self.fc_taps = Linear(cast("fc_taps.weight")) if "fc_taps.weight" in weights else None
+        self.fc = linear("fc.weight")  # 2H -> H
+        self.fc_taps = linear("fc_taps.weight") if "fc_taps.weight" in weights else None
         self.eps = target_native.shape.rms_norm_eps
         # (the head never embeds ids itself: an empty table of its dtype stands in)
-        self.native = NativeLlama(shape, torch.empty(0, shape.hidden_size, dtype=dtype,
-                                                     device=device), [layer],
-                                  target_native.final_norm.to(dtype),
-                                  Linear(head.to(dtype=dtype, device=device).contiguous()))
+        empty = torch.empty(0, shape.hidden_size, dtype=dtype, device=device)
+        norm = target_native.final_norm.to(dtype)
+        if in_q8:
+            self.native = GGUFLlama(shape, empty, [layer], norm, _q8_0("head", head))
+        else:
+            self.native = NativeLlama(shape, empty, [layer], norm,
+                                      Linear(head.to(dtype=dtype, device=device).contiguous()))
 
     def step_rows(self, passes: list[tuple], taps: torch.Tensor | None = None,
                   trees: list[TreeLinks] | None = None) -> list[torch.Tensor]:
@@ -386,3 +399,11 @@ class _FeatureModel:
             [RowPass(cache, ids, start, 1 if tree is None else int(ids.numel()), tree)
              for (cache, _, ids, start), tree in zip(passes, trees, strict=True)], inputs=inputs)
 
+
+def _q8_0(name: str, weight: torch.Tensor) -> QuantLinear:
+    """weight [N, K] quantised to Q8_0 (an int8 code a value, a scale per 32) as a layer of the
+    quantised kernels."""
+    values = weight.detach().float().cpu().numpy()
+    blocks = torch.from_numpy(gguf_quantize(values, GGMLQuantizationType.Q8_0))  # [N, bytes]
+    return QuantLinear(QuantMatrix(GGUFTensor(name, GGMLQuantizationType.Q8_0,
+                                              tuple(values.shape), blocks)))
