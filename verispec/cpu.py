@@ -33,6 +33,11 @@ def flags() -> frozenset[str]:
     return frozenset((_field("flags") or "").split())
 
 
+def vendor() -> str:
+    """The CPU's vendor id, e.g. "GenuineIntel", "AuthenticAMD" ("" where it is not known)."""
+    return _field("vendor_id") or ""
+
+
 def model_name() -> str:
     """The CPU's model name, e.g. "AMD EPYC 9R14" (elsewhere: what Python knows)."""
     return _field("model name") or platform.processor() or platform.machine()

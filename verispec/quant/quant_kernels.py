@@ -87,9 +87,12 @@ def load(path: str) -> ModuleType | None:
 @functools.cache
 def _build(path: str) -> ModuleType | None:
     sources = [SOURCES / "module.cpp", SOURCES / f"{path}.cpp"]
-    return kernel_build.build_extension(f"verispec_quant_{path}", sources,
-                                        sorted(SOURCES.glob("*.h")), FLAGS[path],
-                                        f"quantised kernels ({path} path)")
+    module = kernel_build.build_extension(f"verispec_quant_{path}", sources,
+                                          sorted(SOURCES.glob("*.h")), FLAGS[path],
+                                          f"quantised kernels ({path} path)")
+    if module is not None:  # measured: Intel's prefetcher lags one streamed row, AMD's not
+        module.set_prefetch_lone_row(cpu.vendor() == "GenuineIntel")
+    return module
 
 
 @functools.cache

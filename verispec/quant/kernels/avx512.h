@@ -269,8 +269,8 @@ struct PanelKernel {
     constexpr int64_t kBlockShare = panel_block_bytes(T) * QK / panel_block_size(T);
     for (int64_t b = 0; b < nblocks; b++) {
       const char* ahead = reinterpret_cast<const char*>(panel) + (b + kAhead) * kBlockShare;
-      // (a lone row keeps pace with the hardware prefetcher: a Qwen2.5-1.5B step ~7% faster)
-      if (rows > 1)
+      // (a lone row may keep pace with the hardware prefetcher: prefetch_lone_row, panels.h)
+      if (rows > 1 || prefetch_lone_row())
         for (int64_t line = 0; line < kBlockShare; line += 64)
           _mm_prefetch(ahead + line, _MM_HINT_T0);
       // 1. the block's codes and factors, once for all rows

@@ -191,6 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_panels", &vq::matmul_panels, "y = x . packed weight^T in panels.h's order");
   m.def("matmul_panels_reference", &vq::matmul_panels_reference,
         "panels.h's order in plain C++, from the file's blocks");
+  m.def("set_prefetch_lone_row", [](bool on) { vq::prefetch_lone_row() = on; },
+        "whether panel kernels fetch ahead for a lone activation row (panels.h)");
   m.def("panel_types", [] {
     std::vector<int64_t> types;
     for (int t : vq::kPanelTypes)
