@@ -235,18 +235,19 @@ def check_api_key_and_limits_hold_through_the_proxy(served, reference):
 
 def check_requests_sharing_a_prefix_stay_on_one_replica(served, reference):
     # ~700 characters in common, then each its own question. On a loaded machine Serve may
-    # still send one request past its prefix's owner (an owner's queue-length answer that comes
-    # late); at most one straggler in twelve is allowed: twelve requests placed at random land
-    # 11+ together with probability 26/4096, so the check still fails without affinity
+    # still send a request past its prefix's owner (an owner's queue-length answer that comes
+    # late); up to three stragglers in 24 are allowed: 24 requests placed at random land 21+
+    # together with probability 4,650 / 2^24 (0.03%), so the check still fails without affinity
     shared = ("You review Python code. Style: PEP 8, type hints, short docstrings. " * 10)
-    replicas = collections.Counter()
-    for question in ("Is `x=1` fine?", "Rename `foo`.", "What is a list?", "Add a test.",
-                     "Explain GIL.", "Use pathlib?", "Why typing?", "Split this function.",
-                     "Is eval safe?", "Name a constant.", "Sort a dict?", "Read a file."):
+    topics = ("`x=1`", "`foo`", "a list", "a test", "the GIL", "pathlib", "typing", "eval")
+    order = []
+    for n in range(24):
+        question = f"Question {n}: what about {topics[n % len(topics)]}?"
         response = served.post({"prompt": shared + question, "max_tokens": 4})
         assert response.status_code == 200
-        replicas[response.headers["x-verispec-replica"]] += 1
-    assert replicas.most_common(1)[0][1] >= 11, replicas
+        order.append(response.headers["x-verispec-replica"])
+    replicas = collections.Counter(order)
+    assert replicas.most_common(1)[0][1] >= 21, order  # in order: where the stragglers fell
 
 
 def check_concurrent_requests_use_both_replicas_and_metrics_name_them(served, reference):
