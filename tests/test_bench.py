@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from verispec import SpeculativeDecoder
 from verispec.bench import BenchConfig, run_bench
 from verispec.bench.prompt_sets import builtin_prompts, load_jsonl
 
@@ -191,6 +192,31 @@ def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, t
         BenchConfig(methods=("ngram",), batch_sizes=(2,))
     with pytest.raises(ValueError, match="batch_queue"):
         BenchConfig(batch_sizes=(2,), batch_queue=0)
+
+
+def test_timed_batched_runs_never_see_text_written_for_the_same_prompts(model_folders,
+                                                                        tmp_path, monkeypatch):
+    """A suffix lookup copies what it has read: every batch size runs the same prompts, so the
+    text its warm-up and the smaller batches wrote must be gone before each size's timed runs
+    (else the larger batches copy their own answers and look faster than they are)."""
+    held = []  # per timed generate of the suffix method: tokens its cache held at the start
+    generate = SpeculativeDecoder.generate
+
+    def spied(self, prompt, params=None, **kwargs):
+        lookup = self.drafter
+        if params is not None and params.max_new_tokens == 10 and hasattr(lookup, "cache"):
+            held.append((kwargs.get("max_batch"), lookup.cache.usage().tokens))
+        return generate(self, prompt, params, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spied)
+    config = BenchConfig(target=str(model_folders / "target"), methods=("baseline", "suffix"),
+                         limit=2, max_new_tokens=10, batch_sizes=(1, 2), out=tmp_path / "b",
+                         runtime="native")
+    run_bench(config, progress=False)
+    first = {}  # per batch size: the tokens held at its first timed run
+    for size, tokens in held:
+        first.setdefault(size, tokens)
+    assert first == {1: 0, 2: 0}, held
 
 
 def _count_measurements(monkeypatch):

@@ -83,11 +83,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     costs: dict[str, dict] = {}
     for method in methods:
         method.run(prompt_ids[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        if isinstance(method, VerispecMethod):
+            method.forget_text()  # the warm-up's text is not proposed to the runs
         decoder = getattr(method, "decoder", None)
-        lookup = getattr(getattr(decoder, "drafter", None), "lookup", None)  # a hybrid's
-        for drafter in (getattr(decoder, "drafter", None), lookup):
-            if isinstance(drafter, SuffixDrafter):
-                drafter.cache.clear()  # the warm-up's text is not proposed to the runs
         if decoder is not None and decoder.k == "auto":
             entry = costs.setdefault(method.group, dict(asdict(decoder.costs), methods=[]))
             entry["methods"].append(method.name)

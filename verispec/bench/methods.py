@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from verispec.decoder import SpeculativeDecoder
+from verispec.drafters import SuffixDrafter
 from verispec.params import SamplingParams
 
 
@@ -56,6 +57,14 @@ class VerispecMethod:
     def params(self, params: SamplingParams) -> SamplingParams:
         """The params it runs a request with: the given ones under its verify mode."""
         return params if self.verify is None else dataclasses.replace(params, verify=self.verify)
+
+    def forget_text(self) -> None:
+        """Empty its suffix lookup's cache of earlier requests: text a warm-up or an earlier
+        run of the same prompts wrote is never proposed to a timed run."""
+        drafter = self.decoder.drafter
+        for lookup in (drafter, getattr(drafter, "lookup", None)):  # a hybrid's lookup
+            if isinstance(lookup, SuffixDrafter):
+                lookup.cache.clear()
 
     def run(self, prompt_ids: list[int], params: SamplingParams,
             prediction: str | None = None) -> MethodRun:
