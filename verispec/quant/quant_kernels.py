@@ -22,7 +22,7 @@ give the same bits. VERISPEC_KERNELS=avx2 or =scalar forces that path; VERISPEC_
 the extension off ("off": the functions here then run `verispec.quant.fallback`, the one
 PyTorch path: per-row products over dequantised weights). Each path is a C++ extension
 built with the system compiler on first use (~1 min) and cached in
-$XDG_CACHE_HOME/verispec/quant-kernels (by default ~/.cache/...).
+$XDG_CACHE_HOME/verispec/kernels (by default ~/.cache/...; verispec.kernel_build).
 """
 
 from __future__ import annotations

@@ -43,18 +43,21 @@ def padded_keys(length: int, max_positions: int) -> int:
 
 
 def attention_plan(start: int, length: int, shape: LlamaShape, grouped: bool,
-                   device: torch.device | None = None) -> list[QueryGroup] | None:
+                   device: torch.device | None = None, prompts: bool = False
+                   ) -> list[QueryGroup] | None:
     """How a short pass's queries attend (see the module docstring): the groups of queries
     that share a padded key length, each with its mask; None for a prompt pass, or where
-    queries must go one by one (grouped False: the probe failed)."""
-    if length > INVARIANT_MAX or not grouped:
+    queries must go one by one (grouped False: the probe failed). prompts: a prompt pass is
+    planned too, its groups cut every INVARIANT_MAX queries (what the probe checked), so each
+    of its queries gets the bits a short pass gives it."""
+    if (length > INVARIANT_MAX and not prompts) or not grouped:
         return None
     group = shape.num_heads // shape.num_kv_heads
     positions = torch.arange(start, start + length, device=device)  # [T]
     keys = [padded_keys(p + 1, shape.max_positions) for p in range(start, start + length)]
     plan, first = [], 0
     for last in range(1, length + 1):
-        if last == length or keys[last] != keys[first]:
+        if last == length or keys[last] != keys[first] or last - first == INVARIANT_MAX:
             allowed = torch.arange(keys[first], device=device) <= positions[first:last, None]
             mask = allowed.expand(group, -1, -1).reshape(-1, keys[first])  # [group Tg, L]
             plan.append(QueryGroup(first, last, keys[first], mask))

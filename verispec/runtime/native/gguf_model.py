@@ -3,7 +3,7 @@ the file's blocks (`verispec.quant.linear`), float32 activations, norms and cach
 
 Where the quantised kernels are built, every decoder layer of a pass runs in one C++ call
 (verispec/quant/kernels/forward.h); elsewhere in NativeLlama's PyTorch loop, where a prompt
-pass attends as short passes would (GGUFLlama._attend). Either way quantized products are
+pass attends as short passes would (GGUFLlama.plan_prompts). Either way quantized products are
 row-independent, so a position's logits are the same bits in any pass: speculative greedy
 output equals plain greedy.
 """
@@ -19,7 +19,7 @@ from verispec.quant import linear as quant_linear
 from verispec.quant.linear import ConcatLinear, QuantLinear, QuantMatrix
 from verispec.quant.quant_kernels import compiled
 from verispec.quant.quantized_model import GGUFModel, qk_order
-from verispec.runtime.native.attention import INVARIANT_MAX, attend_each_query, attention_plan
+from verispec.runtime.native.attention import attend_each_query
 from verispec.runtime.native.layers import LayerWeights
 from verispec.runtime.native.llama import NativeLlama
 from verispec.runtime.native.native_runner import NativeRunner
@@ -124,24 +124,16 @@ class GGUFLlama(NativeLlama):
                     for layer in self.layers],
             cos=self.cos.float().contiguous(), sin=self.sin.float().contiguous())
 
+    # a prompt pass attends as short passes would, where the probe allows (class doc)
+    plan_prompts = True
+
     def _attend(self, q: torch.Tensor, cache, index: int, start: int, end: int,
                 plan) -> torch.Tensor:
-        """q [nh, T, d] -> [nh, T, d], each query with the bits a short pass gives it: where
-        the probe found rows independent, a prompt pass attends in chunks of INVARIANT_MAX
-        planned as short passes (padded keys, masked); otherwise each query alone over exactly
-        its own keys."""
+        """q [nh, T, d] -> [nh, T, d]: as planned, else (the probe failed) each query alone
+        over exactly its own keys."""
         if plan is not None:
             return super()._attend(q, cache, index, start, end, plan)
-        if not self.grouped_queries:
-            return attend_each_query(q, cache, index, start)
-        length = q.shape[1]
-        parts = []
-        for first in range(0, length, INVARIANT_MAX):
-            last = min(first + INVARIANT_MAX, length)
-            chunk = attention_plan(start + first, last - first, self.shape, True, q.device)
-            parts.append(super()._attend(q[:, first:last], cache, index, start + first,
-                                         start + last, chunk))
-        return torch.cat(parts, dim=1)
+        return attend_each_query(q, cache, index, start)
 
     def describe(self) -> str:
         linears = [self.lm_head, *(part for layer in self.layers

@@ -80,6 +80,9 @@ class NativeLlama:
     """forward(ids [T], start, cache) -> logits [num_logits, V] float32, writing K/V into the
     sequence's cache at start..start+T-1; forward_rows does many sequences in one pass."""
 
+    # Whether the PyTorch loop plans prompt passes as short passes (attention_plan's prompts)
+    plan_prompts = False
+
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: Linear) -> None:
         self.shape = shape
@@ -240,7 +243,8 @@ class NativeLlama:
                                   for position in row.positions(row_paths)])
         cos, sin = self.cos[positions], self.sin[positions]  # [N, d]
         rotary_width = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-        plans = [attention_plan(row.start, length, shape, self.grouped_queries)
+        plans = [attention_plan(row.start, length, shape, self.grouped_queries,
+                                prompts=self.plan_prompts)
                  for row, length in zip(rows, lengths, strict=True)]
         for index, layer in enumerate(self.layers):
             # 1. Fused q/k/v for every position, rotary positions on q and k at once.
