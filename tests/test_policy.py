@@ -9,6 +9,7 @@ import torch
 from conftest import EOS_ID, perturbed_copy
 
 from verispec import SamplingParams, SpeculativeDecoder
+from verispec.config import DecodeConfig
 from verispec.costs import CostModel, measure_costs, verify_curve
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.policy import AcceptanceEstimate, AdaptiveK, FixedK, HeuristicK, parse_k
@@ -446,6 +447,31 @@ def test_a_draft_model_far_behind_catches_up_only_where_it_pays():
     assert predicted.catch_up_pays(prices, lag=300, remaining=256)
     free = dataclasses.replace(prices, draft_catch_up_s=0.0)  # nothing measured: no limit
     assert AdaptiveK().catch_up_pays(free, lag=3000, remaining=8)
+
+
+def test_a_batch_catches_up_by_what_its_draft_model_has_shown_not_by_the_prior():
+    """In a batch every lagging row's draft model catches up at once, at the batch's prices
+    and margin. One whose rounds priced it out (acceptance ~2/3, where a batch of 4 needs
+    ~0.76 to beat its 1.10 margin) stays out however long it sits idle, though its estimate
+    drifts back toward the 0.8 prior meanwhile, which alone would call it back (and did, every
+    ~15 rounds, catching up at a loss); a draft model whose rounds were good, or one not yet
+    tried, catches up."""
+    batch4 = dataclasses.replace(costs(0.39, [1.0, 1.22, 1.75, 2.17, 2.65]),
+                                 target_step_s=0.056, draft_catch_up_s=0.00184)
+    margin = DecodeConfig().batch_margin
+    weak, strong = AdaptiveK(), AdaptiveK()
+    for i in range(12):
+        weak.update(0, 1, int(i % 3 != 0))  # two of three accepted
+        strong.update(0, 1, int(i % 10 != 0))
+    for _ in range(20):  # rounds the batch sat out (lookups or nothing drafted)
+        weak.update(0, 0, 0)
+        strong.update(0, 0, 0)
+    assert weak.gamma(0) > 0.75 > weak._estimate(0).observed  # drifted, against its evidence
+    assert weak.catch_up_pays(batch4, lag=20, remaining=100)  # as a lone row would: back in
+    assert not weak.catch_up_pays(batch4, lag=20, remaining=100, batch_margin=margin)
+    assert strong.catch_up_pays(batch4, lag=20, remaining=100, batch_margin=margin)
+    assert AdaptiveK().catch_up_pays(batch4, lag=80, remaining=128, batch_margin=margin)
+    assert weak.catch_up_pays(batch4, lag=5, remaining=100, batch_margin=margin)  # a round's
 
 
 def test_a_new_request_starts_from_what_earlier_requests_learnt_of_a_source():

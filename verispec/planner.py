@@ -71,8 +71,10 @@ class RoundPlanner:
             ks = [self._batch_k(requests, widths, batch_prices)] * rows
         #    A draft model far behind its row (a long prompt, or what a lookup or prediction
         #    added while it waited) drafts only where what it saves pays for catching up.
+        #    A batch's rows catch up together, priced at the batch's prices.
         if row_prices is not None:
-            ks = [k if k == 0 or self.catch_up_pays(r, unread(r.drafter, r.history), row_prices)
+            ks = [k if k == 0 or self.catch_up_pays(r, unread(r.drafter, r.history),
+                                                    row_prices, rows)
                   else 0 for r, k in zip(requests, ks, strict=True)]
         # 2. Lookups: as many as a lookup may propose; keep() cuts them by kind.
         free_ks = [r.policy.next_k(row_prices, width, free=True)
@@ -86,17 +88,23 @@ class RoundPlanner:
                       for r, k, free_k, width in zip(requests, ks, free_ks, widths, strict=True))
         return RoundPlan(plans, greedy_trees, batch_prices)
 
-    def catch_up_pays(self, request: Request, lag: int, prices: CostModel | None = None
-                      ) -> bool:
+    def catch_up_pays(self, request: Request, lag: int, prices: CostModel | None = None,
+                      rows: int = 1) -> bool:
         """Whether the row's draft model should read the `lag` tokens it is behind (priced by
-        the row's policy: `AdaptiveK.catch_up_pays`, at a row's share of the batch's prices
-        where given, else alone at the row's context). Unpriced rows always catch up."""
+        the row's policy: `AdaptiveK.catch_up_pays`). Alone (rows 1) at `prices`, or its own
+        at the row's context; one of a batch of `rows` at the batch's prices, by what its
+        draft model's rounds have shown, with the batch's margin. Unpriced rows always catch
+        up."""
         if getattr(request.drafter, "unread", None) is None or \
                 not isinstance(request.policy, AdaptiveK):
             return True  # no draft model to catch up (a feature draft reads as it goes)
+        remaining = request.budget - request.generated
+        if rows > 1:
+            return request.policy.catch_up_pays(self.batch_costs(rows).at(request.context),
+                                                lag, remaining, self.config.batch_margin)
         if prices is None:
             prices = self.batch_costs(1).at(request.context)
-        return request.policy.catch_up_pays(prices, lag, request.budget - request.generated)
+        return request.policy.catch_up_pays(prices, lag, remaining)
 
     def lookup_keep(self, request: Request, row: RowPlan) -> Callable[[Draft], int]:
         """How many of a lookup's (or a prediction's) tokens the row would verify
