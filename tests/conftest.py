@@ -190,11 +190,11 @@ def replay_verification(monkeypatch) -> list[tuple[list[int], list[int], bool]]:
     same state: the engine drew exactly the reference's draws)."""
     from padded_verify import block_verify, rejection_sample
 
-    import verispec.verify.round as verify_round
+    import verispec.verify.drafts as verify_drafts
 
     references = {"block": block_verify, "token": rejection_sample}
     replays: list[tuple[list[int], list[int], bool]] = []
-    real = verify_round.verify_rows
+    real = verify_drafts.verify_rows
 
     def replaying(draft_tokens, cu_num_draft, draft_probs, target_probs, rows):
         before = [row.generator.get_state() for row in rows]
@@ -211,5 +211,5 @@ def replay_verification(monkeypatch) -> list[tuple[list[int], list[int], bool]]:
                             torch.equal(generator.get_state(), row.generator.get_state())))
         return emitted, _
 
-    monkeypatch.setattr(verify_round, "verify_rows", replaying)
+    monkeypatch.setattr(verify_drafts, "verify_rows", replaying)
     return replays

@@ -21,7 +21,6 @@ from verispec.runtime import make_runner
 from verispec.runtime.native import NativeLlama, NativeRunner
 from verispec.runtime.native.llama import RowPass
 from verispec.sampling import warp
-from verispec.scheduler import Scheduler
 
 PROMPTS = ["abcabcabc", "hello world, hello", "the quick brown fox jumps", "zz",
            "one two one two one two three"]
@@ -125,23 +124,23 @@ def test_cancel_and_join_mid_flight_leave_other_rows_unchanged(text_pair, tokeni
     decoder = decoder_for("draft", *text_pair, tokenizer)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     expected = {p: decoder.generate(p, params).token_ids for p in PROMPTS}
-    scheduler = Scheduler(decoder, max_batch=4)
-    ids = {scheduler.add(p, params): p for p in PROMPTS[:3]}
+    engine = decoder.engine(max_batch=4)
+    ids = {engine.add_request(p, params): p for p in PROMPTS[:3]}
     texts: dict[int, list[int]] = {i: [] for i in ids}
     outputs = {}
     for step in range(100):
         if step == 2:
             cancelled = next(iter(ids))
-            assert scheduler.cancel(cancelled) and not scheduler.cancel(cancelled)
+            assert engine.cancel(cancelled) and not engine.cancel(cancelled)
         if step == 3:
             for p in PROMPTS[3:]:
-                rid = scheduler.add(p, params)
+                rid = engine.add_request(p, params)
                 ids[rid], texts[rid] = p, []
-        for event in scheduler.step():
+        for event in engine.step():
             texts[event.request_id].extend(event.token_ids)
             if event.output is not None:
                 outputs[event.request_id] = event.output
-        if not scheduler.has_work:
+        if not engine.has_work:
             break
     assert cancelled not in outputs and set(outputs) == set(ids) - {cancelled}
     for rid, output in outputs.items():
@@ -166,7 +165,7 @@ def test_batch_arguments_are_checked(text_pair, tokenizer):
     with pytest.raises(ValueError, match="empty"):
         decoder.generate(["a", ""])
     with pytest.raises(ValueError, match="max_batch"):
-        Scheduler(decoder, max_batch=0)
+        decoder.engine(max_batch=0)
 
 
 # -- the law of a sampled row inside mixed batches ---------------------------------------------
@@ -201,7 +200,7 @@ def batched_counts(target, draft, k: int | str = 3) -> torch.Tensor:
     decoder = SpeculativeDecoder(target, None, ModelDrafter(make_runner(draft, "native"), V),
                                  k=k, runtime="native", costs=prices)
     if k == "auto":
-        decoder.batch_costs = lambda batch: prices
+        decoder.cost_table.prices = lambda batch: prices
     counts = torch.zeros(V, V, dtype=torch.float64)
     others = [([4, 5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True)),
               ([7, 7, 1, 2], SamplingParams(max_new_tokens=5, temperature=0.7, top_k=3, seed=9,
@@ -230,7 +229,7 @@ def test_negative_control_always_accept_in_a_batch_is_detected(small_pair, monke
     target, draft = small_pair
     joint = native_joint(target)
     assert 0.5 * (joint - native_joint(draft)).abs().sum() > 0.1
-    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.drafts.verify_rows", always_accept_rows)
     assert chi2_pvalue(batched_counts(target, draft), joint) < 1e-6
     assert chi2_pvalue(batched_counts(target, draft, "auto"), joint) < 1e-6  # drafts are verified
 
@@ -267,7 +266,7 @@ def test_a_batch_verifies_only_the_lookup_tokens_that_pay_for_every_row(text_pai
     checked = {}
     for name, slope in (("dear", 1.0), ("free", 0.0)):
         verify = tuple(1.0 + slope * n for n in range(9))
-        monkeypatch.setattr(decoder, "batch_costs",
+        monkeypatch.setattr(decoder.cost_table, "prices",
                             lambda batch, v=verify: CostModel(0.0, v, 1e-3))
         together = decoder.generate(PROMPTS, params)
         assert [o.token_ids for o in together] == alone

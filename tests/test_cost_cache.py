@@ -221,8 +221,8 @@ def test_verispec_costs_measures_afresh_and_refreshes_the_cache(model_folders, m
 def test_an_idle_engine_measures_and_a_request_interrupts_it(model_file, monkeypatch):
     """The engine measures the missing batch sizes while idle; a request that arrives stops
     the measurement (it asks between passes) and is served; the size is measured later."""
-    from verispec.scheduler import Event
-    from verispec.server.worker import Engine
+    from verispec.engine import Event
+    from verispec.server.worker import EngineThread
 
     started, attempts = threading.Event(), []
 
@@ -240,7 +240,7 @@ def test_an_idle_engine_measures_and_a_request_interrupts_it(model_file, monkeyp
     model = tiny_llama(EOS_ID + 1, seed=3, dtype=torch.float32)
     decoder = SpeculativeDecoder(model, None, NgramDrafter(), k="auto", runtime="native",
                                  model_files=[model_file])
-    engine = Engine(decoder, max_batch=4)
+    engine = EngineThread(decoder, max_batch=4)
 
     async def serve_one() -> Event:
         engine.start()

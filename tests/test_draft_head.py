@@ -173,7 +173,7 @@ def test_negative_control_always_accept_with_a_trimmed_draft_is_detected(law_pai
                                                                           monkeypatch):
     target, draft = law_pair
     params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.drafts.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V, SUBSET), k=3)
     counts = first_two_counts(decoder, LAW_PROMPT, V, params, N)
     assert chi2_pvalue(counts, exact_joint(target, LAW_PROMPT, params)) < 1e-6

@@ -71,7 +71,7 @@ def test_negative_control_always_accept_is_detected(target, draft, monkeypatch):
     target_joint = exact_joint(target, PROMPT, params)
     draft_joint = exact_joint(draft, PROMPT, params)
     assert 0.5 * (target_joint - draft_joint).abs().sum() > 0.1
-    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.drafts.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(target, None, ModelDrafter(draft, V), k=3)
     assert chi2_pvalue(sampled_joint(decoder, params), target_joint) < 1e-6
 

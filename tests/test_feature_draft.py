@@ -32,7 +32,7 @@ from verispec.errors import IncompatibleDraftError
 from verispec.runtime.native import NativeLlama, NativeRunner
 from verispec.runtime.native.shape import LlamaShape
 from verispec.sampling import warp
-from verispec.verify import round as verify_round
+from verispec.verify import drafts as drafts_module
 
 VOCAB = EOS_ID + 1
 
@@ -125,8 +125,8 @@ def test_greedy_with_token_trees_equals_plain_greedy_alone_and_in_a_batch(run, t
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 13, 27)]
     expected = [plain.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
     paths = []
-    verify_tree = verify_round.greedy_verify_tree
-    monkeypatch.setattr(verify_round, "greedy_verify_tree", lambda tokens, parents, logits: (
+    verify_tree = drafts_module.greedy_verify_tree
+    monkeypatch.setattr(drafts_module, "greedy_verify_tree", lambda tokens, parents, logits: (
         paths.append((parents.tolist(), verify_tree(tokens, parents, logits)[1]))
         or verify_tree(tokens, parents, logits)))
     batch_trees = []
@@ -374,7 +374,7 @@ def first_child_always(tokens, parents, draft_probs, target_probs, generator):
 def test_negative_control_always_accept_with_a_feature_draft_is_detected(small_target,
                                                                          monkeypatch,
                                                                          tree_width):
-    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
-    monkeypatch.setattr("verispec.verify.round.rejection_sample_tree", first_child_always)
+    monkeypatch.setattr("verispec.verify.drafts.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.drafts.rejection_sample_tree", first_child_always)
     counts = counts_of_tokens_2_and_3(small_target, tree_width)
     assert chi2_pvalue(counts, native_joint_of_tokens_2_and_3(small_target)) < 1e-6

@@ -73,7 +73,7 @@ def proposals_and_positions(monkeypatch) -> tuple[list[tuple[int, list[int]]], l
                 proposals.append((row.position, draft.tokens.tolist()))
         return verify_drafts(drafts, logits, rows)
 
-    monkeypatch.setattr("verispec.scheduler.verify_drafts", recording)
+    monkeypatch.setattr("verispec.round.verify_drafts", recording)
     return proposals, positions
 
 
@@ -155,7 +155,7 @@ def test_a_sampled_output_with_a_prediction_keeps_the_targets_law(small_target):
 
 
 def test_negative_control_an_unverified_prediction_is_detected(small_target, monkeypatch):
-    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.drafts.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(small_target, None, None, k=3)
     counts = prediction_counts(decoder, PREDICTION)
     assert chi2_pvalue(counts, target_joint(small_target)) < 1e-6

@@ -23,7 +23,7 @@ from openai import OpenAI
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import NgramDrafter
-from verispec.scheduler import Scheduler
+from verispec.engine import Engine
 from verispec.server import ServerConfig, create_app
 from verispec.server.loadtest import percentile, run_load
 from verispec.server.prompts import Prompts
@@ -249,11 +249,11 @@ def test_models_health_and_metrics(client, url):
 def test_a_failed_round_fails_its_requests_and_the_server_goes_on(client, decoder, monkeypatch):
     # Every round fails while patched (a round that failed once could have been spent on
     # another test's leftover request, and this one would then succeed).
-    def fail(scheduler):
+    def fail(engine):
         raise RuntimeError("boom")
 
     with monkeypatch.context() as patch:
-        patch.setattr(Scheduler, "step", fail)
+        patch.setattr(Engine, "step", fail)
         with pytest.raises(openai.InternalServerError, match="internal error") as err:
             client.completions.create(model=MODEL, prompt="abc", max_tokens=8)
         assert "boom" not in str(err.value)  # the cause is logged, never sent
@@ -272,13 +272,13 @@ def test_a_failed_round_fails_its_requests_and_the_server_goes_on(client, decode
 @pytest.fixture
 def slow_rounds(monkeypatch):
     """Every scheduler round takes at least 5 ms, so a LONG request lasts seconds anywhere."""
-    step = Scheduler.step
+    step = Engine.step
 
-    def slow_step(scheduler):
+    def slow_step(engine):
         time.sleep(0.005)
-        return step(scheduler)
+        return step(engine)
 
-    monkeypatch.setattr(Scheduler, "step", slow_step)
+    monkeypatch.setattr(Engine, "step", slow_step)
 
 
 def read_a_little_then_leave(url: str, chunks: int = 3) -> None:
@@ -343,18 +343,18 @@ def test_a_full_queue_answers_429_at_once(decoder, monkeypatch):
     """With one request running and one waiting, a third is answered 429 while the engine's
     round is held: the answer waits for no round and no free slot. (No round runs before the
     second request is in, so the first cannot finish early on a fast machine.)"""
-    held, step = threading.Event(), Scheduler.step
+    held, step = threading.Event(), Engine.step
 
-    def held_step(scheduler):
+    def held_step(engine):
         if held.is_set():
-            return step(scheduler)
-        if len(scheduler.running) + len(scheduler.waiting) < 2:
+            return step(engine)
+        if len(engine.scheduler.running) + len(engine.scheduler.waiting) < 2:
             time.sleep(0.001)  # no round yet: back to the engine's commands
             return []
         assert held.wait(60), "the round was never let go"
-        return step(scheduler)
+        return step(engine)
 
-    monkeypatch.setattr(Scheduler, "step", held_step)
+    monkeypatch.setattr(Engine, "step", held_step)
     app = create_app(decoder, MODEL, ServerConfig(max_batch=1, max_queue=1))
     with running(app) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)

@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 from openai import OpenAI
 from test_server import MODEL, alone, decoder, free_port, httpx_connects, running, wait_until
 
-from verispec.scheduler import Event, Scheduler
+from verispec.engine import Engine, Event
 from verispec.server import ServerConfig, create_app
 from verispec.server.prompts import Prompts
 
@@ -172,19 +172,19 @@ def test_an_internal_error_answers_an_id_not_its_text(url, monkeypatch):
 
 def test_a_failed_row_fails_alone(url, decoder, monkeypatch):
     if "error" not in Event.__dataclass_fields__:
-        pytest.skip("this scheduler reports no per-row errors")
-    step = Scheduler.step
+        pytest.skip("this engine reports no per-row errors")
+    step = Engine.step
     poisoned = decoder.encode("poison", chat=False).tolist()
 
-    def poisoning_step(scheduler):
-        events = step(scheduler)
-        bad = {r.request_id for r in scheduler.running if r.prompt_ids.tolist() == poisoned}
+    def poisoning_step(engine):
+        events = step(engine)
+        bad = {r.request_id for r in engine.scheduler.running if r.prompt_ids.tolist() == poisoned}
         for request_id in bad:
-            scheduler.cancel(request_id)
+            engine.cancel(request_id)
         return [Event(e.request_id, "", [], error=RuntimeError("poison"))
                 if e.request_id in bad else e for e in events]
 
-    monkeypatch.setattr(Scheduler, "step", poisoning_step)
+    monkeypatch.setattr(Engine, "step", poisoning_step)
     client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     prompts = ["abcabc", "poison", "hello hello", "xyz xyz", "poison"]  # one poison streams
     results: dict[int, object] = {}

@@ -159,7 +159,7 @@ def test_engine_with_suffix_lookup_matches_target_joint(target):
 
 def test_negative_control_always_accept_with_suffix_lookup_is_detected(target, monkeypatch):
     params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr("verispec.verify.round.verify_rows", always_accept_rows)
+    monkeypatch.setattr("verispec.verify.drafts.verify_rows", always_accept_rows)
     decoder = SpeculativeDecoder(target, None, SuffixDrafter(), k=3)
     counts = first_two_counts(decoder, PROMPT, V, params, N_CONTROL)
     assert chi2_pvalue(counts, exact_joint(target, PROMPT, params)) < 1e-6

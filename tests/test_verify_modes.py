@@ -58,7 +58,7 @@ def test_negative_control_invariant_noise_not_keyed_by_position_is_detected(targ
                 for r in rows]
         return verify_rows(draft_tokens, cu, draft_probs, target_probs, rows)
 
-    monkeypatch.setattr("verispec.verify.round.verify_rows", unkeyed)
+    monkeypatch.setattr("verispec.verify.drafts.verify_rows", unkeyed)
     params = SETTINGS["temperature 1"]
     decoder = SpeculativeDecoder(target, None, NgramDrafter(), k=3)
     counts = sampled_joint(decoder, params, "invariant")

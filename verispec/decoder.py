@@ -1,4 +1,6 @@
-"""The public entry point: `SpeculativeDecoder` turns prompts into text, speculatively."""
+"""The public entry point: `SpeculativeDecoder` loads a target and its drafter
+(`from_pretrained`) and turns prompts into text, speculatively (`generate`, `stream`), through
+the engine (verispec.engine) that owns the decode loop."""
 
 from __future__ import annotations
 
@@ -22,26 +24,16 @@ from verispec.drafters.load import (
     load_drafter,
     resolve_draft,
 )
+from verispec.engine import Engine, GenerationOutput, Model, is_batch
 from verispec.params import SamplingParams
-from verispec.policy import AdaptiveK, FixedK, HeuristicK, KPolicy, parse_k
+from verispec.policy import parse_k
 from verispec.runtime import RUNTIMES, Runner, make_runner
-from verispec.scheduler import Scheduler
-from verispec.stats import GenerationStats, StatsRecorder
-from verispec.text import TextStream
+from verispec.text import Prompt, encode_prediction, encode_prompt
 from verispec.vocab import eos_ids
 
 log = logging.getLogger("verispec")
 
-Prompt = str | Sequence[int]
 DEFAULT_K = "auto"  # chosen each round from measured costs (docs/choosing-k.md)
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationOutput:
-    text: str
-    token_ids: list[int]  # the generated ids only (EOS included when it ended the generation)
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    stats: GenerationStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,21 +117,16 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset()
 
-    def new_policy(self, params: SamplingParams | None = None, predicted: bool = False
-                   ) -> KPolicy:
-        """A fresh K policy for one request (sampled rows price their drafts' sampling;
-        predicted: it brings a prediction, a draft source of its own)."""
-        k = self.lookup_k if predicted else self.k
-        if k == "auto":
-            _ = self.costs  # measured once, before any request is timed
-            params = params or SamplingParams()
-            return AdaptiveK.for_request(self.config, sampling=not params.greedy,
-                                         predicted=predicted,
-                                         shared=self.shared_estimates
-                                         if params.greedy else None)
-        if k == "heuristic":
-            return HeuristicK(k=self.config.heuristic_start_k)
-        return FixedK(k)
+    def engine(self, max_batch: int = 16) -> Engine:
+        """An engine for a batch of requests (`Engine.add_request` / `step`; continuous
+        batching, up to max_batch rows at once), on this decoder's target, drafter, knobs and
+        cost models; its rows' caches are pooled runners and drafters, emptied for each."""
+        return Engine(self._model(), max_batch=max_batch)
+
+    def _model(self) -> Model:
+        return Model(self.target, self.drafter, self.tokenizer, self.eos_ids, self.config,
+                     self.cost_table, self.k, self.lookup_k, self.chat,
+                     self.shared_estimates)
 
     @classmethod
     def from_pretrained(
@@ -212,10 +199,10 @@ class SpeculativeDecoder:
         outputs in order, decoded together as one batch (`verispec.scheduler`; up to max_batch
         at once, default all), with one params for all or one per prompt. prediction (one
         prompt): see `stream`."""
-        if _is_batch(prompt):
+        if is_batch(prompt):
             if prediction is not None:
-                raise ValueError("a prediction goes with one prompt (use the scheduler's add "
-                                 "for a batch with predictions)")
+                raise ValueError("a prediction goes with one prompt (use an engine's "
+                                 "add_request for a batch with predictions)")
             return self._generate_batch(list(prompt), params, chat, max_batch)
         if isinstance(params, list):
             raise ValueError("a list of params needs a list of prompts")
@@ -231,9 +218,10 @@ class SpeculativeDecoder:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} params")
-        scheduler = Scheduler(self, max_batch=max_batch or len(prompts))
-        ids = [scheduler.add(p, sp, chat=chat) for p, sp in zip(prompts, params, strict=True)]
-        outputs = scheduler.run()
+        engine = self.engine(max_batch=max_batch or len(prompts))
+        ids = [engine.add_request(p, sp, chat=chat)
+               for p, sp in zip(prompts, params, strict=True)]
+        outputs = engine.run()
         return [outputs[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -242,77 +230,30 @@ class SpeculativeDecoder:
         """Yield new text and ids after every verification round; the last chunk carries the
         whole output and its stats. Bad input raises here, before the first chunk.
 
-        A lone prompt is a batch of one of the scheduler, on the decoder's own runner and
-        drafter (so a prompt that shares a prefix with the previous one reuses its cache).
+        A lone prompt is a batch of one of an engine, on the decoder's own runner and drafter
+        (so a prompt that shares a prefix with the previous one reuses its cache).
         prediction: the output as it is expected to be, mostly (OpenAI's Predicted Outputs:
         text or ids, a draft source; the output is the target's whatever it says)."""
-        scheduler = Scheduler(self, max_batch=1, runners=[self.target],
-                              drafters=[self.drafter] if self.drafter is not None else [])
-        scheduler.add(prompt, params or SamplingParams(), chat=chat, prediction=prediction)
-        return self._chunks(scheduler)
+        engine = Engine(self._model(), max_batch=1, runners=[self.target],
+                        drafters=[self.drafter] if self.drafter is not None else [])
+        engine.add_request(prompt, params or SamplingParams(), chat=chat, prediction=prediction)
+        return self._chunks(engine)
 
     @staticmethod
-    def _chunks(scheduler: Scheduler) -> Iterator[StreamChunk]:
-        while scheduler.has_work:
-            for event in scheduler.step():
+    def _chunks(engine: Engine) -> Iterator[StreamChunk]:
+        while engine.has_work:
+            for event in engine.step():
                 if event.error is not None:
                     raise event.error
                 yield StreamChunk(event.text, event.token_ids, event.output)
 
-    def make_output(self, text: TextStream, params: SamplingParams, stats: StatsRecorder
-                    ) -> GenerationOutput:
-        """The finished output of a request from its text stream and stats."""
-        ids = text.ids[: text.num_tokens]
-        stopped_on_eos = bool(ids) and ids[-1] in self.eos_ids and not params.ignore_eos
-        finish_reason = "stop" if text.stopped or stopped_on_eos else "length"
-        return GenerationOutput(text.text, ids, finish_reason, stats.finish())
-
-    def encode_prediction(self, prediction: str | Sequence[int]) -> torch.Tensor:
-        """A predicted output (text, or token ids) -> ids [P] long, as the output would hold
-        them (no special tokens, no chat template)."""
-        if isinstance(prediction, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prediction as token ids")
-            ids = self.tokenizer(prediction, add_special_tokens=False)["input_ids"]
-        else:
-            ids = list(prediction)
-            vocab = self.target.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                       for t in ids):
-                raise ValueError(f"prediction token ids must be integers in [0, {vocab})")
-        return torch.tensor(ids, dtype=torch.long)
-
     def encode(self, prompt: Prompt, chat: bool) -> torch.Tensor:
         """A prompt string (chat template applied when the tokenizer has one and chat is on) or
-        a list of token ids -> ids [L] long."""
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            if chat and getattr(self.tokenizer, "chat_template", None):
-                prompt = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                    tokenize=False)
-                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            else:
-                ids = self.tokenizer(prompt)["input_ids"]
-        else:
-            ids = list(prompt)
-            if not ids:
-                raise ValueError("prompt is empty")
-            vocab = self.target.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                       for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.target.max_positions:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's context "
-                             f"of {self.target.max_positions}")
-        return torch.tensor(ids, dtype=torch.long)
+        a list of token ids -> ids [L] long (`text.encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, chat, self.target.vocab_size,
+                             self.target.max_positions)
 
-
-def _is_batch(prompt) -> bool:
-    """A list of prompts (strings or id lists), as opposed to one prompt given as ids."""
-    return isinstance(prompt, list | tuple) and bool(prompt) and all(
-        isinstance(p, str | list | tuple) for p in prompt)
-
+    def encode_prediction(self, prediction: Prompt) -> torch.Tensor:
+        """A predicted output (text, or token ids) -> ids [P] long, as the output would hold
+        them (`text.encode_prediction`)."""
+        return encode_prediction(self.tokenizer, prediction, self.target.vocab_size)

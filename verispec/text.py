@@ -1,8 +1,62 @@
-"""Incremental detokenisation with stop strings, for streaming."""
+"""Text in and out: prompts and predictions to ids (`encode_prompt`, `encode_prediction`), and
+ids to text as it streams, with stop strings (`TextStream`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from transformers import PreTrainedTokenizerBase
+
+Prompt = str | Sequence[int]
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, chat: bool,
+                  vocab_size: int, max_positions: int) -> torch.Tensor:
+    """A prompt string (chat template applied when the tokenizer has one and chat is on) or a
+    list of token ids -> ids [L] long. Bad input raises ValueError: an empty prompt, ids out of
+    [0, vocab_size), text without a tokenizer, a prompt that fills the model's context."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("prompt is empty")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: give the prompt as token ids")
+        if chat and getattr(tokenizer, "chat_template", None):
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                tokenize=False)
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+    else:
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        _check_ids(ids, vocab_size, "prompt")
+    if len(ids) >= max_positions:
+        raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's context "
+                         f"of {max_positions}")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def encode_prediction(tokenizer: PreTrainedTokenizerBase | None, prediction: Prompt,
+                      vocab_size: int) -> torch.Tensor:
+    """A predicted output (text, or token ids) -> ids [P] long, as the output would hold them
+    (no special tokens, no chat template)."""
+    if isinstance(prediction, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: give the prediction as token ids")
+        ids = tokenizer(prediction, add_special_tokens=False)["input_ids"]
+    else:
+        ids = list(prediction)
+        _check_ids(ids, vocab_size, "prediction")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _check_ids(ids: list, vocab_size: int, what: str) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+               for t in ids):
+        raise ValueError(f"{what} token ids must be integers in [0, {vocab_size})")
 
 
 class TextStream:

@@ -34,7 +34,6 @@ from transformers import PreTrainedModel
 from verispec.decoder import SpeculativeDecoder
 from verispec.params import SamplingParams
 from verispec.runtime.native.native_runner import NativeRunner
-from verispec.scheduler import Scheduler
 
 log = logging.getLogger("verispec.distill")
 
@@ -84,14 +83,14 @@ class Teacher:
         seeds[i], decoded `max_batch` rows at a time with continuous batching (a finished row's
         slot is refilled at once); each response ends with its EOS, if it met one. A row's
         tokens do not depend on which rows share its batch (native runtime)."""
-        scheduler = Scheduler(self.decoder, max_batch=max_batch)
+        engine = self.decoder.engine(max_batch=max_batch)
         rows = {}
         for i, (prompt, temperature, seed) in enumerate(
                 zip(prompts, temperatures, seeds, strict=True)):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature or 0.0,
                                     seed=seed)
-            rows[scheduler.add(prompt, params, chat=False)] = i
-        outputs = scheduler.run()
+            rows[engine.add_request(prompt, params, chat=False)] = i
+        outputs = engine.run()
         return [list(outputs[request].token_ids) for request in sorted(rows, key=rows.get)]
 
     @torch.inference_mode()

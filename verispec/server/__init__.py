@@ -1,9 +1,9 @@
-"""`verispec serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
+"""`verispec serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
 
     app.py       routes, server-sent events, OpenAI-style errors, `create_app`, `serve`
     settings.py  ServerConfig: capacity, limits, API key, docs, shutdown timeout
     guards.py    middleware: internal errors, shutdown (503), API key (401), body size (413)
-    worker.py    the one thread that owns the decoder and its Scheduler
+    worker.py    the one thread that owns the decoder and its Engine
     protocol.py  request bodies (validated), response objects, error objects
     prompts.py   prompts and chat messages -> token ids, off the engine thread, within limits
     metrics.py   Prometheus metrics in a per-app registry

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from verispec.drafters.suffix_cache import SuffixCache
-from verispec.scheduler import Event
+from verispec.engine import Event
 from verispec.server.guards import BearerAuth, BodyLimit, Draining, InternalErrors
 from verispec.server.metrics import CountRequests, Metrics
 from verispec.server.prompts import Prompts
@@ -46,7 +46,7 @@ from verispec.server.protocol import (
     sse,
 )
 from verispec.server.settings import ServerConfig
-from verispec.server.worker import Engine, GenerationFailed, QueueFull, RequestHandle
+from verispec.server.worker import EngineThread, GenerationFailed, QueueFull, RequestHandle
 
 log = logging.getLogger("verispec")
 
@@ -61,7 +61,7 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
     (default ServerConfig()). `app.state.draining = True` turns new requests away (503).
     metric_labels: set on every sample of /metrics (one replica among several: its id)."""
     config = config or ServerConfig()
-    engine = Engine(decoder, max_batch=config.max_batch, max_queue=config.max_queue)
+    engine = EngineThread(decoder, max_batch=config.max_batch, max_queue=config.max_queue)
     prompts = Prompts(decoder, config.max_prompt_tokens)
     cache = getattr(decoder.drafter, "cache", None)  # a cross-request lookup's (--draft suffix)
     metrics = Metrics(in_flight=lambda: engine.outstanding,

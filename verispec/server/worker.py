@@ -1,9 +1,9 @@
-"""The engine thread: the one owner of the decoder and its continuous-batching Scheduler.
+"""The engine thread: the one owner of the decoder and its continuous-batching Engine.
 
-The Scheduler is synchronous and not thread-safe, so a single thread runs it:
+The Engine is synchronous and not thread-safe, so a single thread runs it:
 
     loop:  1. take commands (add, cancel, stop) from a thread-safe queue; block when idle
-           2. one scheduler round over every running request
+           2. one engine round over every running request
            3. hand each request's events to its asyncio queue (loop.call_soon_threadsafe)
 
 Idle, with no command waiting, it measures the cost models of the batch sizes that k="auto"
@@ -17,7 +17,7 @@ owner of the runtime and leaves the measurement the whole machine.
 
 HTTP handlers only `submit` token ids already checked (verispec.server.prompts tokenises them in
 a pool of its own, so a long prompt stalls no round) and `cancel`. A request counts against the
-capacity (max_batch running + max_queue waiting) from `submit` until it leaves the scheduler;
+capacity (max_batch running + max_queue waiting) from `submit` until it leaves the engine;
 beyond it `submit` raises QueueFull at once. A round that fails fails only the rows it names
 (`Event.error`); a round that raises as a whole fails every row of it, and serving goes on.
 Messages that reach clients never carry an exception's text: it is logged here.
@@ -32,8 +32,8 @@ import threading
 from dataclasses import dataclass
 
 from verispec.costs import MeasurementInterrupted
+from verispec.engine import Event
 from verispec.params import SamplingParams
-from verispec.scheduler import Event, Scheduler
 
 log = logging.getLogger("verispec")
 
@@ -54,7 +54,7 @@ class RequestHandle:
         self.inbox: asyncio.Queue[Event | int | BaseException] = asyncio.Queue()
         self.prompt_tokens = 0
         self.finished = False
-        self.request_id: int | None = None  # the scheduler's id; the engine thread's business
+        self.request_id: int | None = None  # the engine's id; the engine thread's business
 
     async def next(self) -> Event | int:
         """The next item from the engine: the prompt's size once admitted, then events (the
@@ -85,8 +85,8 @@ class _Stop:
     pass
 
 
-class Engine:
-    """The scheduler on its own thread; `submit` and `cancel` are called from the event loop."""
+class EngineThread:
+    """The engine on its own thread; `submit` and `cancel` are called from the event loop."""
 
     def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64) -> None:
         if max_queue < 0:
@@ -94,9 +94,9 @@ class Engine:
         self.decoder = decoder
         self.max_batch = max_batch
         self.capacity = max_batch + max_queue
-        self._scheduler = Scheduler(decoder, max_batch)
+        self._engine = decoder.engine(max_batch)
         self._commands: queue.Queue[_Add | _Cancel | _Stop] = queue.Queue()
-        self._handles: dict[int, RequestHandle] = {}  # scheduler id -> handle (engine thread)
+        self._handles: dict[int, RequestHandle] = {}  # engine id -> handle (engine thread)
         self._lock = threading.Lock()
         self._outstanding = 0
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
@@ -120,7 +120,7 @@ class Engine:
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      prediction_ids: list[int] | None = None) -> RequestHandle:
         """Queue a request; returns once the engine took it. Raises QueueFull at once when the
-        engine is at capacity, ValueError for a request the scheduler refuses."""
+        engine is at capacity, ValueError for a request the engine refuses."""
         with self._lock:
             if self._outstanding >= self.capacity:
                 raise QueueFull(f"the server is at capacity ({self.max_batch} running, "
@@ -142,7 +142,7 @@ class Engine:
         while True:
             # 1. Commands: wait for one when idle (measuring meanwhile), else take those there.
             commands = []
-            if not self._scheduler.has_work:
+            if not self._engine.has_work:
                 self._measure_while_idle()
                 commands.append(self._commands.get())
             while not self._commands.empty():
@@ -156,7 +156,7 @@ class Engine:
                     self._cancel_all()
                     return
             # 2.-3. One round; events go to their requests.
-            if self._scheduler.has_work:
+            if self._engine.has_work:
                 self._step()
 
     def _measure_while_idle(self) -> None:
@@ -184,12 +184,12 @@ class Engine:
 
     def _add(self, command: _Add) -> None:
         try:
-            request_id = self._scheduler.add(command.prompt_ids, command.params, chat=False,
+            request_id = self._engine.add_request(command.prompt_ids, command.params, chat=False,
                                              prediction=command.prediction_ids)
         except Exception as err:  # a refused request goes back to its handler as the error
             self._leave()
             if not isinstance(err, ValueError):
-                log.exception("the scheduler could not add a request")
+                log.exception("the engine could not add a request")
                 err = GenerationFailed("the request could not be queued")
             _post(command.handle, err)
             return
@@ -198,7 +198,7 @@ class Engine:
         _post(command.handle, len(command.prompt_ids))
 
     def _cancel(self, handle: RequestHandle) -> None:
-        if handle.request_id in self._handles and self._scheduler.cancel(handle.request_id):
+        if handle.request_id in self._handles and self._engine.cancel(handle.request_id):
             del self._handles[handle.request_id]
             self._leave()
 
@@ -210,15 +210,15 @@ class Engine:
 
     def _step(self) -> None:
         try:
-            events = self._scheduler.step()
+            events = self._engine.step()
         except Exception:  # fail the round's requests, keep serving
-            log.exception("a scheduler round failed; failing its %d requests",
+            log.exception("an engine round failed; failing its %d requests",
                           len(self._handles))
             for handle in self._handles.values():
                 self._leave()
                 _post(handle, GenerationFailed("generation failed"))
             self._handles.clear()
-            self._scheduler = Scheduler(self.decoder, self.max_batch)
+            self._engine = self.decoder.engine(self.max_batch)
             return
         for event in events:
             handle = self._handles[event.request_id]
@@ -226,7 +226,7 @@ class Engine:
             if event.output is not None or error is not None:
                 del self._handles[event.request_id]
                 self._leave()
-            if error is not None:  # this row alone failed; the scheduler logged why
+            if error is not None:  # this row alone failed; the engine logged why
                 log.error("request %d failed: %r", event.request_id, error)
                 _post(handle, GenerationFailed("generation failed"))
             else:

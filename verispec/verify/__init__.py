@@ -5,7 +5,7 @@
   native  the same two procedures in C++ for float32 chains on the CPU;
   trees   greedy, drafter-invariant and recursive rejection sampling of one row's token tree;
   rows    `verify_rows`: a ragged batch of chains, each row by its own method, one host sync;
-  round   `verify_drafts`: a round's drafts (chains and trees) against its target logits.
+  drafts  `verify_drafts`: a round's drafts (chains and trees) against its target logits.
 
 Three lossless procedures for sampled rows (one row's random draws are the same alone or in a
 batch):
@@ -21,7 +21,7 @@ Greedy rows accept while the draft equals the target's argmax.
 """
 
 from verispec.verify.chains import PAD_TOKEN, residual
-from verispec.verify.round import Verified, verify_drafts
+from verispec.verify.drafts import Verified, verify_drafts
 from verispec.verify.rows import METHODS, RowVerification, verify_rows
 from verispec.verify.trees import greedy_verify_tree, invariant_verify_tree, rejection_sample_tree
 

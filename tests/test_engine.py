@@ -14,8 +14,8 @@ from verispec import SamplingParams, SpeculativeDecoder
 from verispec.config import DecodeConfig
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.drafters.feature import _FeatureModel
+from verispec.engine import Engine
 from verispec.runtime import HFRunner, make_runner
-from verispec.scheduler import Scheduler
 
 POISON = 7  # a token id no prompt below holds, except the poisoned one
 PROMPTS = ["hello world, hello world", "abcabcabc abc", "the cat sat on the mat, the cat"]
@@ -35,11 +35,11 @@ class PoisonedLookup(NgramDrafter):
         return PoisonedLookup()
 
 
-def run_events(scheduler: Scheduler) -> tuple[dict, dict, dict]:
+def run_events(engine: Engine) -> tuple[dict, dict, dict]:
     """Step to the end -> (ids by request, text pieces by request, errors by request)."""
     ids, texts, errors = {}, {}, {}
-    while scheduler.has_work:
-        for event in scheduler.step():
+    while engine.has_work:
+        for event in engine.step():
             ids.setdefault(event.request_id, []).extend(event.token_ids)
             texts.setdefault(event.request_id, []).append(event.text)
             if event.error is not None:
@@ -48,13 +48,13 @@ def run_events(scheduler: Scheduler) -> tuple[dict, dict, dict]:
 
 
 def test_a_lone_prompt_is_a_batch_of_one(text_target, tokenizer):
-    """generate() and a one-row scheduler give the same tokens and text, and a batch gives
+    """generate() and a one-row engine give the same tokens and text, and a batch gives
     every row its solo output."""
     decoder = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k=3)
     solo = [decoder.generate(p, PARAMS) for p in PROMPTS]
-    scheduler = Scheduler(decoder, max_batch=1)
-    rids = [scheduler.add(p, PARAMS) for p in PROMPTS]
-    ids, texts, _ = run_events(scheduler)
+    engine = decoder.engine(max_batch=1)
+    rids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    ids, texts, _ = run_events(engine)
     assert [ids[r] for r in rids] == [o.token_ids for o in solo]
     assert ["".join(texts[r]) for r in rids] == [o.text for o in solo]
     assert [o.token_ids for o in decoder.generate(PROMPTS, PARAMS)] == [o.token_ids for o in solo]
@@ -64,13 +64,13 @@ def test_a_row_that_raises_fails_alone_and_the_others_go_on(text_target, tokeniz
     plain = SpeculativeDecoder(text_target, tokenizer, None)
     solo = [plain.generate(p, PARAMS) for p in PROMPTS]
     decoder = SpeculativeDecoder(text_target, tokenizer, PoisonedLookup(), k=3)
-    scheduler = Scheduler(decoder, max_batch=8)
-    rids = [scheduler.add(p, PARAMS) for p in PROMPTS]
-    bad = scheduler.add([97, 98, POISON, 99, 100], PARAMS)  # ids: the poison verbatim
+    engine = decoder.engine(max_batch=8)
+    rids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    bad = engine.add_request([97, 98, POISON, 99, 100], PARAMS)  # ids: the poison verbatim
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
     sampled_alone = decoder.generate(PROMPTS[0], seeded).token_ids
-    sampled = scheduler.add(PROMPTS[0], seeded)
-    ids, texts, errors = run_events(scheduler)
+    sampled = engine.add_request(PROMPTS[0], seeded)
+    ids, texts, errors = run_events(engine)
     assert set(errors) == {bad} and "poisoned" in str(errors[bad])
     assert [ids[r] for r in rids] == [o.token_ids for o in solo]  # greedy: token for token
     assert ["".join(texts[r]) for r in rids] == [o.text for o in solo]  # streamed text too
@@ -88,16 +88,16 @@ def test_a_long_prompt_is_fed_in_chunks_and_never_stalls_the_others(text_target,
     short_alone = decoder.generate(SHORT, short).token_ids
     long_alone = whole.generate(long_prompt, PARAMS).token_ids
     assert decoder.generate(long_prompt, PARAMS).token_ids == long_alone  # chunks: same tokens
-    scheduler = Scheduler(decoder, max_batch=4)
-    first = scheduler.add(SHORT, short)
+    engine = decoder.engine(max_batch=4)
+    first = engine.add_request(SHORT, short)
     ids = {first: []}
-    for event in scheduler.step():  # the short row is decoding when the long prompt arrives
+    for event in engine.step():  # the short row is decoding when the long prompt arrives
         ids[event.request_id].extend(event.token_ids)
-    second = scheduler.add(long_prompt, PARAMS)
+    second = engine.add_request(long_prompt, PARAMS)
     ids[second], stalled, prefill_rounds = [], 0, 0
-    while scheduler.has_work:
-        short_running = any(r.request_id == first for r in scheduler.running)
-        events = scheduler.step()
+    while engine.has_work:
+        short_running = any(r.request_id == first for r in engine.scheduler.running)
+        events = engine.step()
         prefill_rounds += not any(e.request_id == second for e in events)
         stalled += short_running and not any(e.request_id == first for e in events)
         for event in events:
@@ -155,14 +155,14 @@ def test_a_long_prompts_drafter_reads_it_a_chunk_a_round(kind, text_target, toke
     long_alone = plain.generate(long_prompt, PARAMS).token_ids
     assert decoder.generate(long_prompt, PARAMS).token_ids == long_alone  # lossless
     short_alone = decoder.generate(SHORT, short).token_ids
-    scheduler = Scheduler(decoder, max_batch=4)
-    first = scheduler.add(SHORT, short)
-    ids = {first: scheduler.step()[0].token_ids}  # decoding when the long prompts arrive
-    greedy_long, sampled_long = (scheduler.add(long_prompt, p) for p in (PARAMS, sampled))
+    engine = decoder.engine(max_batch=4)
+    first = engine.add_request(SHORT, short)
+    ids = {first: engine.step()[0].token_ids}  # decoding when the long prompts arrive
+    greedy_long, sampled_long = (engine.add_request(long_prompt, p) for p in (PARAMS, sampled))
     ids |= {greedy_long: [], sampled_long: []}
     reads.clear()
-    while scheduler.has_work:
-        for event in scheduler.step():
+    while engine.has_work:
+        for event in engine.step():
             ids[event.request_id].extend(event.token_ids)
     assert max(reads) <= chunk + 1 and sum(reads) >= 2 * len(long_prompt)  # both prompts read
     assert ids[first] == short_alone and ids[greedy_long] == long_alone
@@ -201,4 +201,6 @@ def test_decode_config_travels_with_the_decoder(text_target, tokenizer):
     config = dataclasses.replace(DecodeConfig(), auto_k_max=4, heuristic_start_k=2)
     decoder = SpeculativeDecoder(text_target, tokenizer, NgramDrafter(), k="heuristic",
                                  config=config)
-    assert decoder.new_policy().next_k(None) == 2
+    engine = decoder.engine(max_batch=1)
+    engine.add_request(PROMPTS[0], PARAMS)
+    assert engine.scheduler.waiting[0].policy.next_k(None) == 2
