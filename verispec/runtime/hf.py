@@ -47,7 +47,18 @@ class HFRunner(PrefixRunner):
         """Another sequence on the same model, with its own cache."""
         return HFRunner(self.model)
 
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor, num_logits: int = 1,
+               parents: torch.Tensor | None = None) -> torch.Tensor:
+        if parents is not None:
+            raise ValueError("token trees need the native runtime (--runtime native or auto)")
+        keep = self.prepare(ids, num_logits)
+        logits = self._forward(ids[keep:], keep, num_logits)
+        self.commit(ids)
+        return logits
+
     def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
+        """new_ids [T] at positions start.. -> logits [num_logits, V] of the last positions."""
         out = self.model(input_ids=new_ids.to(self.device).unsqueeze(0), cache=self._cache,
                          use_cache=True, logits_to_keep=num_logits)
         return out.logits[0, -num_logits:]

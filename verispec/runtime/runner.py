@@ -66,8 +66,8 @@ class Runner(Protocol):
 class PrefixRunner(ABC):
     """The bookkeeping of which tokens a runner's cache holds, shared by every runtime.
 
-    A subclass provides the forward pass over new positions (`_forward`), forgetting cached
-    positions (`_truncate`), a fresh cache (`_clear`), `sibling` and `describe`.
+    A subclass provides the pass itself (`logits`, between `prepare` and `commit`), forgetting
+    cached positions (`_truncate`), a fresh cache (`_clear`), `sibling` and `describe`.
     """
 
     def __init__(self, *, device: torch.device, vocab_size: int, max_positions: int) -> None:
@@ -96,21 +96,16 @@ class PrefixRunner(ABC):
             self._truncate(length)
             self._cached_ids = self._cached_ids[:length]
 
-    @torch.inference_mode()
+    @abstractmethod
     def logits(self, ids: torch.Tensor, num_logits: int = 1,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [L] (cpu long) -> logits [num_logits, V] for the last num_logits positions.
+        """ids [L] (cpu long) -> logits [num_logits, V] for the last num_logits positions,
+        through `prepare` (roll back to the longest cached prefix) and `commit`.
 
         Example: cache holds [a, b, c, x]; ids = [a, b, c, y, z], num_logits = 2 -> rollback to
         [a, b, c], feed [y, z], return the logits after y and after z.
         parents: the last num_logits - 1 ids are a token tree (native runtime only).
         """
-        if parents is not None:
-            raise ValueError("token trees need the native runtime (--runtime native or auto)")
-        keep = self.prepare(ids, num_logits)
-        logits = self._forward(ids[keep:], keep, num_logits)
-        self.commit(ids)
-        return logits
 
     def prepare(self, ids: torch.Tensor, num_logits: int) -> int:
         """Check a pass over ids and roll the cache back to the longest cached prefix, leaving at
@@ -129,10 +124,6 @@ class PrefixRunner(ABC):
         """After the forward pass: the cache now holds all of ids."""
         self.forward_calls += 1
         self._cached_ids = ids.clone()
-
-    @abstractmethod
-    def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
-        """new_ids [T] at positions start.. -> logits [num_logits, V] of the last positions."""
 
     @abstractmethod
     def _truncate(self, length: int) -> None:

@@ -127,9 +127,6 @@ class NativeRunner(PrefixRunner):
         self._cached_ids = ids[:base].clone()
         self._tree = _PendingTree(base, parents.tolist(), ids[base:].tolist())
 
-    def _forward(self, new_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
-        return forward_invariant(self.model, [RowPass(self.cache, new_ids, start, num_logits)])[0]
-
     def _truncate(self, length: int) -> None:
         pass
 
