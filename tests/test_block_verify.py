@@ -6,10 +6,10 @@ from fractions import Fraction
 import pytest
 import torch
 from conftest import chi2_pvalue
+from law_oracles import expected_accepted, round_law
 from padded_verify import block_verify, rejection_sample
 
 from verispec.sampling import sample
-from verispec.theory import expected_accepted, round_law
 from verispec.verify import PAD_TOKEN, chains
 
 TOY_TARGET = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)  # Sun et al.'s toy case

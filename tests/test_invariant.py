@@ -1,15 +1,17 @@
 """Drafter-invariant sampling: position-keyed noise, invariant_verify (chains and trees) equal to
 plain invariant sampling token for token, and the target's law (with negative controls)."""
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import chi2_pvalue
+from law_oracles import gumbel_agreement
 from padded_verify import invariant_verify
 
-from verispec.sampling import _mix64_, invariant_sample, position_noise, wrap_int64
-from verispec.theory import gumbel_agreement
+from verispec.invariant import invariant_sample, mix64_, position_noise
 from verispec.verify import PAD_TOKEN, invariant_verify_tree
 
 V = 5
@@ -26,10 +28,33 @@ def splitmix64_reference(value: int) -> int:
 
 def test_the_hash_is_splitmix64():
     values = [random.Random(0).getrandbits(64) for _ in range(500)] + [0, (1 << 64) - 1, 1 << 63]
-    mixed = torch.tensor([wrap_int64(v) for v in values])
-    _mix64_(mixed, torch.empty_like(mixed))
-    assert [v % (1 << 64) for v in mixed.tolist()] == [splitmix64_reference(v) for v in values]
+    mixed = np.array(values, dtype=np.uint64)
+    mix64_(mixed, np.empty_like(mixed))
+    assert [int(v) for v in mixed] == [splitmix64_reference(v) for v in values]
     assert splitmix64_reference(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF  # its first output
+
+
+def reference_noise(seed: int, position: int, token: int) -> float:
+    """G for (seed, position, token) as `position_noise` documents it, in Python integers and
+    floats: key = mix(mix(seed ^ salt) + (position + 1) * golden), bits = mix(key + (token + 1)
+    * golden) >> 12, u = (bits + 1/2) / 2^52, G = -log(-log u)."""
+    mask, golden = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    key = splitmix64_reference((seed & mask) ^ 0x5851F42D4C957F2D)
+    key = splitmix64_reference((key + (position + 1) * golden) & mask)
+    bits = splitmix64_reference((key + (token + 1) * golden) & mask) >> 12
+    return -math.log(-math.log((bits + 0.5) / 2 ** 52))
+
+
+def test_the_noise_has_the_documented_bits():
+    """Pinned by an independent implementation of its definition: a change to the hash, its
+    constants or the float steps would move every invariant sample. (To the last bit or two:
+    torch's vectorised log may round a last bit unlike Python's; a wrong bit of the hash moves
+    a value by far more.)"""
+    for seed, position in ((0, 0), (7, 3), (-1, 10_000), (1 << 40, 151_935)):
+        noise = position_noise(seed, position, 64).tolist()
+        expected = [reference_noise(seed, position, t) for t in range(64)]
+        assert all(math.isclose(a, b, rel_tol=4e-16, abs_tol=1e-300)
+                   for a, b in zip(noise, expected, strict=True)), (seed, position)
 
 
 def test_noise_depends_on_seed_position_and_token_alone():
@@ -299,7 +324,7 @@ def test_invariant_draws_equal_the_plain_argmax_over_the_vocabulary(monkeypatch)
     the tail's winners are missed."""
     import numpy as np
 
-    from verispec import sampling
+    from verispec import invariant
 
     vocab, generator = 4096, torch.Generator().manual_seed(0)
     head_tail = torch.full((8, vocab), 0.7 / (vocab - 1))
@@ -321,11 +346,11 @@ def test_invariant_draws_equal_the_plain_argmax_over_the_vocabulary(monkeypatch)
     assert one_by_one == expected.tolist()
     assert invariant_sample(rows[:0], 12345, []).shape == (0,)
 
-    candidates = sampling._candidates
+    candidates = invariant._candidates
 
     def without_small_noise(probs, keys, cut, least, counters):
         return candidates(probs, keys, cut, np.full_like(least, (1 << 52) - 1), counters)
 
-    monkeypatch.setattr(sampling, "_candidates", without_small_noise)
+    monkeypatch.setattr(invariant, "_candidates", without_small_noise)
     missed = invariant_sample(rows, 12345, positions) != expected
     assert missed[:8].sum() >= 3 and not missed[8:12].any()  # tail winners missed, peaked fine

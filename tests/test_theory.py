@@ -4,17 +4,14 @@ from fractions import Fraction
 
 import pytest
 import torch
+from law_oracles import expected_accepted, gumbel_agreement, iid, round_law
 from padded_verify import rejection_sample
 
 from verispec.theory import (
     batch_allocation,
-    expected_accepted,
     expected_speedup,
     expected_tokens,
-    gumbel_agreement,
-    iid,
     optimal_k,
-    round_law,
     sampled_acceptance,
 )
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec.sampling import invariant_draw, inverse_cdf, wrap_int64
+from verispec.invariant import invariant_draw, wrap_int64
+from verispec.sampling import inverse_cdf
 from verispec.verify import native
 
 PAD_TOKEN = -1  # fills `tokens` after the last emitted token of a row

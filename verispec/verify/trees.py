@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling import greedy_tokens, invariant_draw, sample
+from verispec.invariant import invariant_draw
+from verispec.sampling import greedy_tokens, sample
 from verispec.verify.chains import residual
 
 
