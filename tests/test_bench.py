@@ -9,10 +9,12 @@ import pytest
 from verispec import SpeculativeDecoder
 from verispec.bench import BenchConfig, run_bench
 from verispec.bench.prompt_sets import builtin_prompts, load_jsonl
+from verispec.config import EngineConfig
 
 
 def test_bench_runs_every_method_and_writes_outputs(model_folders, tmp_path):
-    config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"),
+                                             draft=str(model_folders / "draft")),
                          methods=("baseline", "ngram", "draft", "hf-baseline", "hf-ngram",
                                   "hf-assisted"),
                          ks=(2, "auto"), per_category=1, limit=3, max_new_tokens=12,
@@ -113,8 +115,8 @@ def test_git_commit_names_the_commit_and_whether_the_tree_differs(tmp_path):
 
 
 def test_methods_needing_a_draft_are_skipped_with_a_note(model_folders, tmp_path):
-    config = BenchConfig(target=str(model_folders / "target"), methods=("baseline", "draft"),
-                         limit=1, max_new_tokens=4, out=tmp_path)
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target")),
+                         methods=("baseline", "draft"), limit=1, max_new_tokens=4, out=tmp_path)
     results = run_bench(config, progress=False)
     assert list(results["methods"]) == ["baseline"]
     assert any("draft skipped" in note for note in results["notes"])
@@ -170,10 +172,11 @@ def test_hf_methods_really_ignore_eos(text_target, tokenizer):
 
 @pytest.mark.parametrize("queue", [1, 4], ids=["static", "continuous"])
 def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, tmp_path, queue):
-    config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"),
+                                             draft=str(model_folders / "draft"), runtime="native"),
                          methods=("baseline", "ngram", "draft", "hf-baseline"), limit=5,
                          max_new_tokens=10, ks=(2,), batch_sizes=(1, 2, 4), out=tmp_path / "b",
-                         runtime="native", batch_queue=queue)
+                         batch_queue=queue)
     results = run_bench(config, progress=False)
     by_batch = results["batch"]["by_batch"]
     assert list(by_batch) == [1, 2, 4]
@@ -209,9 +212,10 @@ def test_timed_batched_runs_never_see_text_written_for_the_same_prompts(model_fo
         return generate(self, prompt, params, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", spied)
-    config = BenchConfig(target=str(model_folders / "target"), methods=("baseline", "suffix"),
-                         limit=2, max_new_tokens=10, batch_sizes=(1, 2), out=tmp_path / "b",
-                         runtime="native")
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"),
+                                             runtime="native"),
+                         methods=("baseline", "suffix"), limit=2, max_new_tokens=10,
+                         batch_sizes=(1, 2), out=tmp_path / "b")
     run_bench(config, progress=False)
     first = {}  # per batch size: the tokens held at its first timed run
     for size, tokens in held:
@@ -244,7 +248,8 @@ def test_verify_modes_of_one_method_share_one_cost_model(model_folders, tmp_path
     measurements differ by the machine's drift, and K with them, which would confound a
     block-against-token comparison. The report shows one model per (method, K)."""
     measured = _count_measurements(monkeypatch)
-    config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"),
+                                             draft=str(model_folders / "draft")),
                          methods=("baseline", "draft"), ks=("auto", 2),
                          verifies=("token", "block", "invariant"), temperature=1.0, limit=1,
                          max_new_tokens=6, out=tmp_path / "out")
@@ -278,10 +283,11 @@ def test_batched_bench_runs_each_verify_mode_on_shared_cost_models(model_folders
         return generate(self, prompt, params, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
-    config = BenchConfig(target=str(model_folders / "target"), draft=str(model_folders / "draft"),
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"),
+                                             draft=str(model_folders / "draft"), runtime="native"),
                          methods=("baseline", "draft"), verifies=("token", "block"),
                          temperature=1.0, limit=2, max_new_tokens=6, batch_sizes=(1, 2),
-                         batch_queue=1, runtime="native", out=tmp_path / "b")
+                         batch_queue=1, out=tmp_path / "b")
     results = run_bench(config, progress=False)
     assert set(results["batch"]["by_batch"][2]) == {"baseline", "draft[token]", "draft[block]"}
     assert verifies == {(False, "block"), (True, "token"), (True, "block")}

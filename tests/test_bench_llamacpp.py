@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from verispec.bench import BenchConfig, llamacpp, run_bench
+from verispec.config import EngineConfig
 from verispec.params import SamplingParams
 
 FAKE_SERVER = '''#!{python}
@@ -194,7 +195,7 @@ def test_binary_found_on_path_and_in_build_folders(tmp_path, fake_llama, monkeyp
 
 def test_the_bench_notes_llama_cpp_skipped_for_a_checkpoint_folder(model_folders, fake_llama,
                                                                     tmp_path):
-    config = BenchConfig(target=str(model_folders / "target"),
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target")),
                          methods=("baseline", "llama.cpp"), llama_cpp=str(fake_llama), limit=1,
                          max_new_tokens=4, out=tmp_path / "out")
     results = run_bench(config, progress=False)

@@ -37,13 +37,13 @@ def test_runtime_flags(capsys, model_folders, monkeypatch):
     """--runtime, --dtype and --int8 reach the engine: the decoder the command builds runs the
     runtime, dtype and weights asked for, and the float32 runtimes agree on greedy output."""
     built = []
-    from_pretrained = SpeculativeDecoder.from_pretrained.__func__
+    from_config = SpeculativeDecoder.from_config.__func__
 
-    def keep(cls, *args, **kwargs):
-        built.append(from_pretrained(cls, *args, **kwargs))
+    def keep(cls, config):
+        built.append(from_config(cls, config))
         return built[-1]
 
-    monkeypatch.setattr(SpeculativeDecoder, "from_pretrained", classmethod(keep))
+    monkeypatch.setattr(SpeculativeDecoder, "from_config", classmethod(keep))
     common = ["abcabc", "--target", str(model_folders / "target"), "--draft", "ngram",
               "--max-new-tokens", "12", "--ignore-eos", "--temperature", "0"]
     outputs = {}

@@ -341,8 +341,10 @@ def _wider_llama():
 
 def test_bench_runs_a_distilled_draft_and_hands_transformers_a_full_head(run, config, tmp_path):
     from verispec.bench import BenchConfig, run_bench
+    from verispec.config import EngineConfig
 
-    bench = BenchConfig(target=config.target, draft=str(run.draft), limit=2, max_new_tokens=12,
+    bench = BenchConfig(engine=EngineConfig(target=config.target, draft=str(run.draft)), limit=2,
+                        max_new_tokens=12,
                         methods=("baseline", "draft", "hf-baseline", "hf-assisted"),
                         out=tmp_path / "bench")
     results = run_bench(bench, progress=False)

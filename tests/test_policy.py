@@ -9,10 +9,10 @@ import torch
 from conftest import EOS_ID, perturbed_copy
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.config import DecodeConfig
+from verispec.config import DecodeConfig, parse_k
 from verispec.costs import CostModel, measure_costs, verify_curve
 from verispec.drafters import ModelDrafter, NgramDrafter
-from verispec.policy import AcceptanceEstimate, AdaptiveK, FixedK, HeuristicK, parse_k
+from verispec.policy import AcceptanceEstimate, AdaptiveK, FixedK, HeuristicK
 from verispec.runtime import HFRunner
 from verispec.theory import optimal_k
 

@@ -15,6 +15,7 @@ from conftest import (
 )
 
 from verispec import SamplingParams, SpeculativeDecoder
+from verispec.config import EngineConfig
 from verispec.drafters import SuffixDrafter
 from verispec.drafters.load import load_drafter, resolve_draft
 from verispec.drafters.suffix_cache import SuffixAutomaton, SuffixCache
@@ -212,9 +213,9 @@ def test_bench_runs_the_suffix_method(model_folders, tmp_path):
     from verispec.bench.bench_config import BenchConfig
     from verispec.bench.harness import run_bench
 
-    config = BenchConfig(target=str(model_folders / "target"), draft=None,
-                         methods=("baseline", "ngram", "suffix"), ks=(4,), per_category=1,
-                         limit=3, max_new_tokens=12, out=tmp_path / "out")
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"), draft=None),
+                         methods=("baseline", "ngram", "suffix"), ks=(4,), per_category=1, limit=3,
+                         max_new_tokens=12, out=tmp_path / "out")
     results = run_bench(config, progress=False)
     suffix = results["methods"]["suffix"]
     assert suffix["greedy_equal_to_baseline"] == "3/3"

@@ -15,8 +15,7 @@ from verispec.cli_args import (
     add_runtime_args,
     add_serve_args,
     add_tree_arg,
-    dequantize_arg,
-    draft_args,
+    engine_config,
     serve_config,
     serve_decoder,
 )
@@ -124,11 +123,8 @@ def run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
         stop=tuple(args.stop), verify=args.verify)
-    decoder = SpeculativeDecoder.from_pretrained(
-        target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        chat=not args.no_chat, runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
-        **draft_args(args))
+    decoder = SpeculativeDecoder.from_config(engine_config(args, k=args.k,
+                                                           chat=not args.no_chat))
     prediction = None
     if args.prediction is not None:
         try:
@@ -162,14 +158,12 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts=args.prompts or None, per_category=args.per_category,
         limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-        ks=tuple(k.strip() for k in args.k.split(",") if k.strip()), target=args.target,
+        ks=tuple(k.strip() for k in args.k.split(",") if k.strip()),
         verifies=tuple(v.strip() for v in args.verify.split(",") if v.strip()),
-        draft=args.draft, dtype=args.dtype, runtime=args.runtime, int8=args.int8,
-        seed=args.seed, ignore_eos=not args.stop_at_eos,
+        engine=engine_config(args), seed=args.seed, ignore_eos=not args.stop_at_eos,
         hf_ngram_tokens=args.hf_ngram_tokens, out=Path(args.out),
         batch_sizes=parse_sizes(args.batch_size), batch_queue=args.batch_queue,
-        tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width,
-        llama_cpp=args.llama_cpp, dequantize=dequantize_arg(args), **draft_args(args))
+        llama_cpp=args.llama_cpp)
     bench(config)
     print((config.out / "report.md").read_text())
     print(f"results in {config.out}/", file=sys.stderr)
@@ -191,11 +185,8 @@ def run_costs(args: argparse.Namespace) -> int:
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    decoder = SpeculativeDecoder.from_pretrained(
-        target=args.target, draft=args.draft, k="auto", dtype=args.dtype, device=args.device,
-        runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
-        **draft_args(args), config=DecodeConfig(auto_k_max=args.k_max))
+    decoder = SpeculativeDecoder.from_config(engine_config(
+        args, decode=DecodeConfig(auto_k_max=args.k_max)))
     models = decoder.cost_table.remeasure(args.max_batch)
     costs = models[1]
     report = {"runtime": type(decoder.target).__name__, "dtype": args.dtype, "int8": args.int8,

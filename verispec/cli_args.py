@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from verispec.config import DEFAULT_TREE_WIDTH
+from verispec.config import DEFAULT_TREE_WIDTH, DRAFT_QUANTS
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -25,18 +25,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
 
 
-def draft_args(args: argparse.Namespace) -> dict:
-    """--draft-vocab and --draft-quant as from_pretrained takes them (unset: the defaults)."""
-    from verispec.drafters.load import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB
+def engine_config(args: argparse.Namespace, **fields):
+    """The EngineConfig a command's model and runtime flags name (`fields` set the others:
+    k, chat, decode). --draft-vocab / --draft-quant unset: the defaults; "none": None."""
+    from verispec.config import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, EngineConfig
 
     vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
     quant = DEFAULT_DRAFT_QUANT if args.draft_quant is None else args.draft_quant
-    return {"draft_vocab": vocab or None, "draft_quant": None if quant == "none" else quant}
-
-
-def dequantize_arg(args: argparse.Namespace) -> str | None:
-    """--dequantize as loading.weights_for takes it ("none": None, the file's own formats)."""
-    return None if args.dequantize == "none" else args.dequantize
+    return EngineConfig(
+        target=args.target, draft=None if args.draft == "none" else args.draft,
+        runtime=args.runtime, dtype=args.dtype, device=getattr(args, "device", "cpu"),
+        int8=args.int8,
+        dequantize=None if args.dequantize == "none" else args.dequantize,
+        draft_vocab=vocab or None, draft_quant=None if quant == "none" else quant,
+        tree_width=args.tree_width, sampled_tree_width=args.sampled_tree_width, **fields)
 
 
 def add_tree_arg(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +72,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                              "(special tokens always); 0: the full head (default: 65536 where "
                              "a ranking ships for the tokenizer)")
     parser.add_argument("--draft-quant", default=None,
-                        choices=["q4_0", "q4_1", "q5_0", "q8_0", "none"],
+                        choices=[*DRAFT_QUANTS, "none"],
                         help="a GGUF draft's wider block matrices are re-quantised to this type "
                              "once (cached in ~/.cache/verispec); none: as the file has them "
                              "(default: q4_0)")
@@ -144,8 +146,4 @@ def serve_decoder(args: argparse.Namespace):
     """The SpeculativeDecoder `verispec serve`'s flags name (model names resolved here)."""
     from verispec import SpeculativeDecoder
 
-    return SpeculativeDecoder.from_pretrained(
-        target=args.target, draft=args.draft, k=args.k, dtype=args.dtype, device=args.device,
-        runtime=args.runtime, int8=args.int8, tree_width=args.tree_width,
-        sampled_tree_width=args.sampled_tree_width, dequantize=dequantize_arg(args),
-        **draft_args(args))
+    return SpeculativeDecoder.from_config(engine_config(args, k=args.k))

@@ -1,21 +1,35 @@
-"""The decode loop's knobs, in one frozen configuration.
+"""What a decoder runs and how, in two frozen configurations.
+
+`EngineConfig` is everything `SpeculativeDecoder.from_config` needs: the models, the runtime,
+the draft's head, K, and the decode loop's knobs (`DecodeConfig`). `from_pretrained`'s
+keywords, the command line's flags (`verispec.cli_args.engine_config`), the server and the
+bench all build one, so a run is described in one place (the bench records it with its
+results). docs/configuration.md has every field, its flag and its default in one table.
 
 `DecodeConfig` holds every tunable number that the round planner, the K policies and the cost
-model read, so a run can be described (the bench records it with its results) and changed in
-one place: `SpeculativeDecoder(..., config=DecodeConfig(tree_max_batch=4))`. The defaults are
-the values the benchmarks chose (docs/choosing-k.md, docs/token-trees.md).
+model read: `EngineConfig(decode=DecodeConfig(tree_max_batch=4))`. The defaults are the values
+the benchmarks chose (docs/choosing-k.md, docs/token-trees.md).
 
-This module imports nothing from verispec: drafters, policies and the scheduler all read it.
+This module imports nothing from verispec: drafters, policies and the engine all read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 # A token tree verified in one pass stays a short pass: the native runtime attends
 # batch-invariantly over passes of up to 16 positions (the tree's nodes plus its root).
 MAX_TREE_NODES = 15
 DEFAULT_TREE_WIDTH = 8  # greedy rows of a feature draft propose trees this wide
+# A draft model's head keeps this many of the target's most written tokens (0/None: all);
+# docs/draft-head.md has the measurement behind it.
+DEFAULT_DRAFT_VOCAB = 65536
+# A GGUF draft's wider block matrices are re-quantised to this type at load (None: kept).
+DEFAULT_DRAFT_QUANT = "q4_0"
+DRAFT_QUANTS = ("q4_0", "q4_1", "q5_0", "q8_0")
+RUNTIMES = ("auto", "hf", "native")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DEQUANTIZE = ("auto", "bf16", None)  # None: a GGUF file's own formats
 
 
 def check_tree_width(width: int) -> int:
@@ -114,3 +128,65 @@ class DecodeConfig:
     def cost_batch_size(self, batch: int) -> int:
         """The measured batch size a batch of `batch` rows is priced at (the next one up)."""
         return next((b for b in self.cost_batch_sizes if b >= batch), self.cost_batch_sizes[-1])
+
+
+def parse_k(k: int | str) -> int | str:
+    """k as given by a user: an integer >= 0, "auto" or "heuristic"."""
+    if isinstance(k, str) and k.strip().isdigit():
+        k = int(k)
+    if isinstance(k, str) and k in ("auto", "heuristic"):
+        return k
+    if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+        return k
+    raise ValueError(f"k must be an integer >= 0, 'auto' or 'heuristic', got {k!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """A decoder's configuration; validated when built (bad values raise ValueError)."""
+
+    # a model name (`verispec models`), HF folder or .gguf file; None: the embedded SmolLM2
+    target: str | None = None
+    # "default" (the target's shipped draft with lookup, else lookup), "hybrid:PATH", "ngram",
+    # "suffix", a draft model's name, folder or .gguf, or None (plain decoding)
+    draft: str | None = "default"
+    k: int | str = "auto"  # draft tokens a round: "auto", "heuristic" or a number
+    runtime: str = "auto"  # "auto", "hf" (transformers) or "native"
+    dtype: str = "auto"  # "auto": bfloat16 on the native CPU runtime, else the model's
+    device: str = "cpu"
+    int8: bool = False  # weight-only int8 layers (native runtime)
+    # a quantized GGUF: "auto" (its own bit width where the kernels multiply it, else bf16
+    # where the bf16 kernels run), None (its own bit width) or "bf16" (dequantised)
+    dequantize: str | None = "auto"
+    draft_vocab: int | None = DEFAULT_DRAFT_VOCAB  # a draft model's head (None or 0: full)
+    draft_quant: str | None = DEFAULT_DRAFT_QUANT  # a GGUF draft re-quantised (None: kept)
+    tree_width: int = DEFAULT_TREE_WIDTH  # greedy rows of a feature draft: trees this wide
+    sampled_tree_width: int = 1  # sampled rows (1: chains)
+    chat: bool = True  # text prompts go through the tokenizer's chat template
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k", parse_k(self.k))
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, "
+                             f"got {self.runtime!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.dequantize not in DEQUANTIZE:
+            raise ValueError(f"dequantize must be 'auto', 'bf16' or None, "
+                             f"got {self.dequantize!r}")
+        vocab = self.draft_vocab
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)
+                                  or vocab < 0):
+            raise ValueError(f"draft_vocab must be an integer >= 0 or None, got {vocab!r}")
+        if self.draft_quant is not None and str(self.draft_quant).lower() not in DRAFT_QUANTS:
+            raise ValueError(f"draft_quant must be one of {', '.join(DRAFT_QUANTS)} or None, "
+                             f"got {self.draft_quant!r}")
+        check_tree_width(self.tree_width)
+        check_tree_width(self.sampled_tree_width)
+        if not isinstance(self.decode, DecodeConfig):
+            raise ValueError(f"decode must be a DecodeConfig, got {type(self.decode).__name__}")
+
+    def as_dict(self) -> dict:
+        """For reports: every field by name, the decode loop's knobs nested."""
+        return asdict(self)

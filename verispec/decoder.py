@@ -13,21 +13,22 @@ import torch
 from transformers import PreTrainedModel
 
 from verispec import loading
-from verispec.config import DEFAULT_TREE_WIDTH, DecodeConfig, check_tree_width
+from verispec.config import (
+    DEFAULT_DRAFT_QUANT,
+    DEFAULT_DRAFT_VOCAB,
+    DEFAULT_TREE_WIDTH,
+    DecodeConfig,
+    EngineConfig,
+    parse_k,
+)
 from verispec.cost_table import CostTable
 from verispec.costs import CostModel
 from verispec.drafters import Drafter
 from verispec.drafters.drafter import follow_target
-from verispec.drafters.load import (
-    DEFAULT_DRAFT_QUANT,
-    DEFAULT_DRAFT_VOCAB,
-    load_drafter,
-    resolve_draft,
-)
+from verispec.drafters.load import load_drafter, resolve_draft
 from verispec.engine import Engine, GenerationOutput, Model, is_batch
 from verispec.params import SamplingParams
-from verispec.policy import parse_k
-from verispec.runtime import RUNTIMES, Runner, make_runner
+from verispec.runtime import Runner, make_runner
 from verispec.text import Prompt, encode_prediction, encode_prompt
 from verispec.vocab import eos_ids
 
@@ -88,6 +89,8 @@ class SpeculativeDecoder:
         # estimates start (`AdaptiveK.shared`). Greedy rows only: a seeded sampled row's draws
         # depend on its K, and must not depend on the requests before it.
         self.shared_estimates: dict = {}
+        # what `from_config` built it from (None: built from models already loaded)
+        self.engine_config: EngineConfig | None = None
 
     @property
     def costs(self) -> CostModel:
@@ -146,49 +149,46 @@ class SpeculativeDecoder:
         draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
         draft_quant: str | None = DEFAULT_DRAFT_QUANT,
     ) -> SpeculativeDecoder:
-        """target: a local HF folder or .gguf file, None for the embedded SmolLM2-135M-Instruct.
-        draft: "default" (a draft shipped for the target, with lookup; else n-gram lookup),
-        "hybrid:PATH", "ngram", "suffix" (lookup over earlier requests too), a draft model
-        folder/.gguf sharing the target's tokenizer, or None
-        (plain decoding). k: "auto" (default: chosen each round from measured costs and the running
-        acceptance rate), a fixed number of draft tokens per round, or "heuristic"
-        (transformers' +2/-1 schedule). runtime: "auto" (verispec's native runtime for
-        Llama-family models, transformers otherwise), "native" or "hf". dtype: "auto" (bfloat16
-        on the native CPU runtime, float32 on hf), "float32", "bfloat16" or "float16". int8:
-        weight-only int8 layers (native runtime; bfloat16 activations). tree_width: greedy
-        rows of a feature draft propose token trees this wide (1: chains); sampled_tree_width:
-        sampled rows (default 1: chains; docs/token-trees.md). config: the decode loop's knobs.
-        dequantize: how a quantized GGUF target (and a GGUF draft) runs under dtype "auto":
-        "auto" (default: at its own bit width where the quantised kernels multiply most of it
-        as panels (AVX2 or AVX-512; Q4_K_M and Q4_1 files), else dequantised to bfloat16 where
-        the native C++ bfloat16 kernels run, its own bit width elsewhere;
-        `loading.weights_for`), None (its own bit width) or "bf16" (transformers dequantises
-        it; the native runtime keeps bfloat16). Runtime "hf" and int8 run on dense weights: bf16.
-        draft_vocab: a draft model's head keeps the draft_vocab tokens the target writes most
-        where a ranking ships for the tokenizer (None or 0: its full head); draft_quant: a GGUF
-        draft's wider block matrices re-quantised to this type ("q4_0", "q4_1", "q5_0",
-        "q8_0"; None: as the file has them). Neither changes the output, only the draft's
-        cost and acceptance (docs/draft-head.md)."""
-        k = parse_k(k)
-        check_tree_width(tree_width)
-        check_tree_width(sampled_tree_width)
-        if runtime not in RUNTIMES:
-            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-        if runtime == "hf" or int8:  # these run on dense weights
-            dequantize = "bf16"
-        model, tokenizer = loading.load(target, dtype=dtype, device=device,
+        """Load a target and its drafter: each keyword is the `EngineConfig` field of that name
+        (docs/configuration.md has them all), config the decode loop's knobs
+        (`EngineConfig.decode`). target: a model name, HF folder or .gguf file, None for the
+        embedded SmolLM2-135M-Instruct; draft: "default" (a draft shipped for the target, with
+        lookup; else n-gram lookup), "hybrid:PATH", "ngram", "suffix", a draft model sharing
+        the target's tokenizer, or None (plain decoding); k: "auto" (chosen each round from
+        measured costs and the running acceptance), a number, or "heuristic". Bad values raise
+        ValueError before anything loads."""
+        return cls.from_config(EngineConfig(
+            target=None if target is None else os.fspath(target),
+            draft=None if draft is None else os.fspath(draft), k=k, runtime=runtime,
+            dtype=dtype, device=device, int8=int8, dequantize=dequantize,
+            draft_vocab=draft_vocab, draft_quant=draft_quant, tree_width=tree_width,
+            sampled_tree_width=sampled_tree_width, chat=chat,
+            decode=config or DecodeConfig()))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> SpeculativeDecoder:
+        """The decoder `config` describes: its target and drafter loaded (`loading.load`,
+        `load_drafter`), the cost models it measures kept in the cost cache under their
+        files."""
+        # runtime "hf" and int8 layers run on dense weights
+        dequantize = "bf16" if config.runtime == "hf" or config.int8 else config.dequantize
+        model, tokenizer = loading.load(config.target, dtype=config.dtype, device=config.device,
                                         dequantize=dequantize)
-        draft = resolve_draft(draft, target, runtime)
-        drafter = load_drafter(draft, model, tokenizer, dtype=dtype, device=device,
-                               runtime=runtime, int8=int8, target_spec=target,
-                               tree_width=tree_width, sampled_tree_width=sampled_tree_width,
-                               dequantize=dequantize, draft_vocab=draft_vocab,
-                               draft_quant=draft_quant)
-        files = [loading.source_path(target)]
+        draft = resolve_draft(config.draft, config.target, config.runtime)
+        drafter = load_drafter(draft, model, tokenizer, dtype=config.dtype,
+                               device=config.device, runtime=config.runtime, int8=config.int8,
+                               target_spec=config.target, tree_width=config.tree_width,
+                               sampled_tree_width=config.sampled_tree_width,
+                               dequantize=dequantize, draft_vocab=config.draft_vocab,
+                               draft_quant=config.draft_quant)
+        files = [loading.source_path(config.target)]
         if draft not in (None, "ngram", "suffix"):
             files.append(loading.source_path(draft.removeprefix("hybrid:")))
-        return cls(model, tokenizer, drafter, k=k, chat=chat, runtime=runtime, dtype=dtype,
-                   int8=int8, config=config, model_files=files)
+        decoder = cls(model, tokenizer, drafter, k=config.k, chat=config.chat,
+                      runtime=config.runtime, dtype=config.dtype, int8=config.int8,
+                      config=config.decode, model_files=files)
+        decoder.engine_config = config
+        return decoder
 
     def generate(self, prompt: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -346,14 +346,3 @@ def _require(prices: CostModel | None) -> CostModel:
     if prices.long_verify is not None:
         raise ValueError("price a round at its context: costs.at(context)")
     return prices
-
-
-def parse_k(k: int | str) -> int | str:
-    """k as given by a user: an integer >= 0, "auto" or "heuristic"."""
-    if isinstance(k, str) and k.strip().isdigit():
-        k = int(k)
-    if isinstance(k, str) and k in ("auto", "heuristic"):
-        return k
-    if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
-        return k
-    raise ValueError(f"k must be an integer >= 0, 'auto' or 'heuristic', got {k!r}")

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from verispec.bench.prompt_sets import prompts_path
-from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
-from verispec.drafters.load import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB
+from verispec.config import EngineConfig, parse_k
 from verispec.params import VERIFY_METHODS
-from verispec.policy import parse_k
 
 # "predicted": plain decoding with each prompt's prediction as its draft (Predicted Outputs;
 # prompt sets with predictions, e.g. --prompts edits); "hybrid-predicted": the default hybrid
@@ -35,18 +33,10 @@ class BenchConfig:
     ks: tuple[int | str, ...] = ("auto",)  # several: every speculative verispec method runs each
     # How sampled drafts are verified; several: every speculative verispec method runs each
     verifies: tuple[str, ...] = ("block",)
-    target: str | None = None
-    draft: str | None = "default"  # for `draft`, `hf-assisted`: a path, or the shipped one
-    dtype: str = "auto"  # verispec's runners (see make_runner); hf-* run float32 under auto
-    runtime: str = "auto"  # auto | hf | native, for verispec's methods
-    int8: bool = False  # weight-only int8 (native runtime), verispec's methods
-    # how a quantized GGUF target (and draft) run: "auto" (loading.weights_for), None (their own
-    # bit width) or "bf16" (dequantised by transformers, as the hf-* methods always need)
-    dequantize: str | None = "auto"
-    # a draft model's trimmed head (None: full) and re-quantised weights (None: the file's),
-    # as from_pretrained takes them; the hf-* methods always run the full draft
-    draft_vocab: int | None = DEFAULT_DRAFT_VOCAB
-    draft_quant: str | None = DEFAULT_DRAFT_QUANT
+    # the models, runtime and draft head verispec's methods run (`engine.k` unused: `ks`);
+    # `engine.draft` is also hf-assisted's assistant; the hf-* methods always run the full
+    # draft head on dense weights
+    engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = 0
     ignore_eos: bool = True  # fixed-length outputs: every method generates max_new_tokens
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example
@@ -56,13 +46,9 @@ class BenchConfig:
     # runs until its slowest row ends); Q > 1 = continuous batching over Q*B queued prompts
     # (rows that end are replaced from the queue, as in the server).
     batch_queue: int = 4
-    tree_width: int = DEFAULT_TREE_WIDTH  # a feature draft's greedy rows: trees this wide
-    sampled_tree_width: int = 1  # its sampled rows
     llama_cpp: str | None = None  # a folder holding llama-server (or DIR/bin); None: PATH
 
     def __post_init__(self) -> None:
-        check_tree_width(self.tree_width)
-        check_tree_width(self.sampled_tree_width)
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")

@@ -35,23 +35,24 @@ log = logging.getLogger("verispec")
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Measure, write results.json / report.md / plots into config.out, return the results."""
     # 1. Models, loaded once and shared by every method.
-    dense = config.runtime == "hf" or config.int8 or any(m.startswith("hf-")
-                                                          for m in config.methods)
-    dequantize = "bf16" if dense else config.dequantize
-    model, tokenizer = loading.load(config.target, dtype=config.dtype, dequantize=dequantize)
+    engine = config.engine
+    dense = engine.runtime == "hf" or engine.int8 or any(m.startswith("hf-")
+                                                         for m in config.methods)
+    dequantize = "bf16" if dense else engine.dequantize
+    model, tokenizer = loading.load(engine.target, dtype=engine.dtype, dequantize=dequantize)
     draft_model, assistant_model, head_token_ids, feature_drafter = None, None, None, None
-    draft = config.draft
+    draft = engine.draft
     if draft == "default":
-        draft = loading.default_draft(config.target)
+        draft = loading.default_draft(engine.target)
     if draft is not None and is_feature_draft(draft):
         # reads the target's features as it runs: no separate runner, no transformers peer
-        feature_drafter = load_drafter(draft, model, tokenizer, tree_width=config.tree_width,
-                                       sampled_tree_width=config.sampled_tree_width,
+        feature_drafter = load_drafter(draft, model, tokenizer, tree_width=engine.tree_width,
+                                       sampled_tree_width=engine.sampled_tree_width,
                                        dequantize=dequantize)
     elif draft is not None:
-        trim = {} if dense else {"draft_vocab": config.draft_vocab,
-                                 "draft_quant": config.draft_quant}
-        loaded = load_draft_model(draft, model, tokenizer, dtype=config.dtype,
+        trim = {} if dense else {"draft_vocab": engine.draft_vocab,
+                                 "draft_quant": engine.draft_quant}
+        loaded = load_draft_model(draft, model, tokenizer, dtype=engine.dtype,
                                   dequantize=dequantize, **trim)
         draft_model, head_token_ids, assistant_model = (loaded.model, loaded.head_token_ids,
                                                         loaded.model)
@@ -63,9 +64,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     # run the transformers model as loaded.
     draft_runner = None
     if draft_model is not None:
-        draft_runner = make_runner(draft_model, config.runtime, config.dtype, config.int8)
-    runners = Runners(make_runner(model, config.runtime, config.dtype, config.int8), draft_runner,
-                      feature_drafter)
+        draft_runner = make_runner(draft_model, engine.runtime, engine.dtype, engine.int8)
+    runners = Runners(make_runner(model, engine.runtime, engine.dtype, engine.int8),
+                      draft_runner, feature_drafter)
     encoder = SpeculativeDecoder(model, tokenizer, None, runtime=runners.target)
     methods, notes = build_methods(config, model, tokenizer, runners, assistant_model,
                                    head_token_ids, encoder.eos_ids)
@@ -160,7 +161,8 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
             for verify in ["block"] + [v for v in config.verifies if v == "invariant"]:
                 methods.append(VerispecMethod(
                     name if verify == "block" else f"{name}[invariant]",
-                    SpeculativeDecoder(model, tokenizer, None, runtime=runners.target), verify))
+                    SpeculativeDecoder(model, tokenizer, None, runtime=runners.target,
+                                       config=config.engine.decode), verify))
         elif name in ("ngram", "suffix", "draft", "hybrid"):
             for k in config.ks:
                 group = name if len(config.ks) == 1 else f"{name}[k={k}]"
@@ -168,7 +170,7 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                 for verify in config.verifies:
                     decoder = SpeculativeDecoder(
                         model, tokenizer, _drafter(name, model, runners, head_token_ids), k=k,
-                        runtime=runners.target)
+                        runtime=runners.target, config=config.engine.decode)
                     # One cost model for the verify modes of one (method, K): measured once,
                     # so that they take the same K decisions and differ only in verification.
                     if first is None:
@@ -181,7 +183,8 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
             drafter = None if name == "predicted" else _drafter("hybrid", model, runners,
                                                                   head_token_ids)
             methods.append(VerispecMethod(name, SpeculativeDecoder(
-                model, tokenizer, drafter, k=config.ks[0], runtime=runners.target),
+                model, tokenizer, drafter, k=config.ks[0], runtime=runners.target,
+                config=config.engine.decode),
                 takes_prediction=True))
         elif name == "hf-baseline":
             methods.append(HFMethod(name, model, eos_ids))
@@ -232,6 +235,6 @@ def machine_info(config: BenchConfig, model, runners: Runners) -> dict:
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                 cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers.__version__, dtype=config.dtype,
+                transformers=transformers.__version__, dtype=config.engine.dtype,
                 runtime=runners.target.describe(), hf_dtype=str(model.dtype).removeprefix("torch."),
                 device=str(runners.target.device))

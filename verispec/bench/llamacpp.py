@@ -286,11 +286,11 @@ def add_methods(config, methods: list, notes: list) -> None:
 
     if not any(name in METHODS for name in config.methods):
         return
-    draft = config.draft
+    draft = config.engine.draft
     if draft == "default":
-        draft = loading.default_draft(config.target)
+        draft = loading.default_draft(config.engine.target)
     found, found_notes = build_methods(config.methods, config.llama_cpp,
-                                       gguf_file(config.target),
+                                       gguf_file(config.engine.target),
                                        None if draft is None else gguf_file(draft),
                                        torch.get_num_threads())
     methods.extend(found)

@@ -19,7 +19,12 @@ import torch
 from transformers import PreTrainedModel
 
 from verispec import loading
-from verispec.config import DEFAULT_TREE_WIDTH, check_tree_width
+from verispec.config import (  # noqa: F401 - the draft defaults, re-exported
+    DEFAULT_DRAFT_QUANT,
+    DEFAULT_DRAFT_VOCAB,
+    DEFAULT_TREE_WIDTH,
+    check_tree_width,
+)
 from verispec.drafters.drafter import Drafter
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.folder import (
@@ -41,11 +46,6 @@ from verispec.vocab import check_vocab, eos_ids, vocab_size
 
 log = logging.getLogger("verispec")
 
-# A draft model's head keeps this many of the target's most written tokens (0/None: all);
-# docs/draft-head.md has the measurement behind it.
-DEFAULT_DRAFT_VOCAB = 65536
-# A GGUF draft's wider block matrices are re-quantised to this type at load (None: kept).
-DEFAULT_DRAFT_QUANT = "q4_0"
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verispec import kernel_build
+from verispec.config import DRAFT_QUANTS
 from verispec.quant.gguf import GGUFFile, GGUFTensor
 from verispec.version import installed_version
 
@@ -37,7 +38,7 @@ log = logging.getLogger("verispec")
 
 Q = GGMLQuantizationType
 # Types a draft may be re-quantised to: gguf-py quantises them, verispec's kernels multiply them.
-TARGET_TYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q8_0": Q.Q8_0}
+TARGET_TYPES = {name: Q[name.upper()] for name in DRAFT_QUANTS}
 FORMAT = 1
 
 

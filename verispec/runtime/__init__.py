@@ -19,6 +19,7 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from verispec.config import RUNTIMES
 from verispec.quant.quantized_model import GGUFModel
 from verispec.runtime.hf import HFRunner
 from verispec.runtime.native import NativeLlama, NativeRunner, UnsupportedModelError
@@ -31,7 +32,6 @@ log = logging.getLogger("verispec")
 __all__ = ["DTYPES", "RUNTIMES", "HFRunner", "NativeRunner", "PrefixRunner", "Runner",
            "batched_logits", "common_prefix", "make_runner"]
 
-RUNTIMES = ("auto", "hf", "native")
 
 
 def batched_logits(runners: list[Runner], sequences: list[torch.Tensor],
