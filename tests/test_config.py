@@ -25,6 +25,7 @@ def test_a_bad_value_is_refused_when_the_configuration_is_built(bad):
 def test_values_as_users_give_them_are_normalised():
     assert EngineConfig(k="4").k == 4
     assert EngineConfig(k="heuristic").k == "heuristic"
+    assert EngineConfig(draft_quant="none").draft_quant is None  # as the flag says it
     assert EngineConfig().as_dict()["decode"] == DecodeConfig().as_dict()
 
 

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated batch sizes (1,4,16): measure batched throughput "
                             "of verispec's methods against its plain batched decoding")
     bench.add_argument("--batch-queue", type=int, default=4,
-                       help="prompts per scheduler run as a multiple of the batch size: 1 = "
+                       help="prompts per engine run as a multiple of the batch size: 1 = "
                             "static batches (a batch waits for its slowest row); 4 (default) = "
                             "continuous batching, rows that end replaced from the queue")
     bench.add_argument("--llama-cpp", default=None, metavar="DIR",

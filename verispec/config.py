@@ -179,6 +179,8 @@ class EngineConfig:
         if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)
                                   or vocab < 0):
             raise ValueError(f"draft_vocab must be an integer >= 0 or None, got {vocab!r}")
+        if isinstance(self.draft_quant, str) and self.draft_quant.lower() == "none":
+            object.__setattr__(self, "draft_quant", None)  # as the command line says it
         if self.draft_quant is not None and str(self.draft_quant).lower() not in DRAFT_QUANTS:
             raise ValueError(f"draft_quant must be one of {', '.join(DRAFT_QUANTS)} or None, "
                              f"got {self.draft_quant!r}")

@@ -123,7 +123,9 @@ class SpeculativeDecoder:
     def engine(self, max_batch: int = 16) -> Engine:
         """An engine for a batch of requests (`Engine.add_request` / `step`; continuous
         batching, up to max_batch rows at once), on this decoder's target, drafter, knobs and
-        cost models; its rows' caches are pooled runners and drafters, emptied for each."""
+        cost models as they are now (a later `share_costs` or change of `config` reaches the
+        engines built after it); its rows' caches are pooled runners and drafters, emptied for
+        each."""
         return Engine(self._model(), max_batch=max_batch)
 
     def _model(self) -> Model:
@@ -196,7 +198,7 @@ class SpeculativeDecoder:
                  prediction: str | Sequence[int] | None = None
                  ) -> GenerationOutput | list[GenerationOutput]:
         """One prompt -> its output. A list of prompts (strings, or lists of token ids) -> their
-        outputs in order, decoded together as one batch (`verispec.scheduler`; up to max_batch
+        outputs in order, decoded together as one batch (`verispec.engine`; up to max_batch
         at once, default all), with one params for all or one per prompt. prediction (one
         prompt): see `stream`."""
         if is_batch(prompt):

@@ -76,7 +76,7 @@ def position_noise(seed: int | Sequence[int] | torch.Tensor,
     (an Exp(1) draw) and G = -log E.
     """
     keys = _keys(seed, position, vocab_size, device)
-    counters = _token_counters(vocab_size, keys.device)
+    counters = _token_counters(vocab_size, torch.device("cpu"))  # hashed on the CPU
     return -torch.log(_exponentials(_token_bits(keys.unsqueeze(-1), counters)))
 
 
@@ -158,7 +158,7 @@ def _noisy_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     (~1e-16 against 1e-9). Off the CPU, for no rows, or for a row without a positive finite
     maximum (it draws what it drew, and is refused by the caller), the plain form."""
     num_rows, vocab = probs.shape
-    counters = _token_counters(vocab, keys.device)  # [V]
+    counters = _token_counters(vocab, torch.device("cpu"))  # [V], hashed on the CPU
 
     def plain() -> torch.Tensor:
         noise = _exponentials(_token_bits(keys.unsqueeze(-1), counters))  # [N, V]

@@ -258,6 +258,7 @@ class AdaptiveK:
             k = self._best_k(prices, gamma, 1)
         else:
             gamma = self._estimate(0).observed
+            prices = prices.sampled() if self.sampling else prices
             k = batch_optimal_k([gamma], prices.draft_step, prices.verify, prices.k_max,
                                 min_speedup=batch_margin)
         if k == 0:

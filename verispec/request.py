@@ -2,7 +2,7 @@
 
 A `Request` carries everything that belongs to one prompt: its history (prompt + output so
 far), token budget, K policy, random generator, stats, text stream, and, while it runs, the
-target runner and drafter that hold its KV caches. The scheduler (verispec.scheduler) drives
+target runner and drafter that hold its KV caches. The engine (verispec.engine) drives
 requests round by round; a lone prompt is a batch of one.
 """
 

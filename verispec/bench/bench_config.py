@@ -42,7 +42,7 @@ class BenchConfig:
     hf_ngram_tokens: int = 10  # prompt_lookup_num_tokens, transformers' documented example
     out: Path = Path("bench_out")
     batch_sizes: tuple[int, ...] = ()  # set: the batched throughput benchmark at these sizes
-    # Prompts per scheduler run, as a multiple of the batch size: 1 = static batches (a batch
+    # Prompts per engine run, as a multiple of the batch size: 1 = static batches (a batch
     # runs until its slowest row ends); Q > 1 = continuous batching over Q*B queued prompts
     # (rows that end are replaced from the queue, as in the server).
     batch_queue: int = 4

@@ -1,7 +1,7 @@
 """Batched throughput: verispec's speculative methods against its own plain batched decoding.
 
 For each batch size B the prompts are cut into chunks of Q*B (Q = `queue`); every chunk is
-decoded by every method with the scheduler at max_batch=B (`SpeculativeDecoder.generate(list,
+decoded by every method with the engine at max_batch=B (`SpeculativeDecoder.generate(list,
 max_batch=B)`), methods rotated chunk by chunk so machine noise hits them alike. Q = 1 gives
 static batches, where a batch runs until its slowest row ends (speculative rows end at
 different rounds, so a batch pays for its slowest one); Q > 1 is continuous batching, where a

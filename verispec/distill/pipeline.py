@@ -12,7 +12,7 @@
 Everything is logged to RUN/train.log; `resume=True` continues an interrupted run.
 
 Sizing, SmolLM2-135M-Instruct on 2 CPU cores (measured):
-- data: verispec's scheduler on the native runtime (bfloat16) samples ~145 tokens/s at batch
+- data: verispec's engine on the native runtime (bfloat16) samples ~145 tokens/s at batch
   16 and ~175 at batch 32 on short contexts (96 new tokens); a whole shard of 128 prompts with
   up to 256 new tokens, its scoring pass (~700 tokens/s) and the batch's draining tail included,
   came to 107-115 response tokens/s, ~3.5 min a shard (70-75 while another job shared the
