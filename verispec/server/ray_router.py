@@ -8,7 +8,10 @@ not know). The ranks here hold one replica each:
        its /metrics) -> [[that replica]]
     2. a request whose opening a replica saw (`PrefixTable.lookup` over `Forwarded.prefix`),
        unless that replica holds more than `max_imbalance` requests over the least loaded
-       one -> that replica first, then the others from the least loaded
+       one -> that replica alone for the first `owner_tries` asks (Serve backs off between
+       them: on a loaded machine the owner's queue-length answer can come late, and the
+       request would go elsewhere, away from its cache), then that replica first and the
+       others from the least loaded
     3. otherwise -> every replica, from the least loaded (as last probed and counted since;
        one never probed counts as empty, so it is tried first)
 
@@ -24,16 +27,19 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from verispec.server.affinity import TABLE_ENTRIES, Forwarded, PrefixTable
 
+MAX_ASKED = 10_000  # pending requests whose owner-only asks are counted at once
 # app name -> the ids of its replicas the router knows (read by the gateway's /metrics)
 KNOWN_REPLICAS: dict[str, tuple[str, ...]] = {}
 
 
 class PrefixAffinityRouter(RequestRouter):
 
-    def initialize_state(self, max_imbalance: int = 16, table_entries: int = TABLE_ENTRIES
-                         ) -> None:
+    def initialize_state(self, max_imbalance: int = 16, table_entries: int = TABLE_ENTRIES,
+                         owner_tries: int = 3) -> None:
         self.max_imbalance = max_imbalance
         self.table = PrefixTable(table_entries)
+        self.owner_tries = owner_tries
+        self._asked: dict[int, int] = {}  # id of a pending request -> times offered its owner
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -58,12 +64,19 @@ class PrefixAffinityRouter(RequestRouter):
         owner = None if request is None else self.table.lookup(request.prefix)[0]
         if owner in by_id and loads[by_id[owner].replica_id] - min(loads.values()) <= \
                 self.max_imbalance:
+            asked = self._asked.get(id(pending_request), 0)
+            if pending_request is not None and asked < self.owner_tries:
+                if len(self._asked) > MAX_ASKED:  # requests cancelled while being routed
+                    self._asked.clear()
+                self._asked[id(pending_request)] = asked + 1
+                return [[by_id[owner]]]
             ranked.remove([by_id[owner]])
             ranked.insert(0, [by_id[owner]])
         return ranked
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result) -> None:
+        self._asked.pop(id(pending_request), None)
         request = _forwarded(pending_request)
         if request is not None and request.prefix:
             self.table.record(request.prefix, replica_id.unique_id)
