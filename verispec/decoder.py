@@ -26,7 +26,7 @@ from verispec.costs import CostModel
 from verispec.drafters import Drafter
 from verispec.drafters.drafter import follow_target
 from verispec.drafters.load import load_drafter, resolve_draft
-from verispec.engine import Engine, GenerationOutput, Model, is_batch
+from verispec.engine import Engine, GenerationOutput, Model
 from verispec.params import SamplingParams
 from verispec.runtime import Runner, make_runner
 from verispec.text import Prompt, encode_prediction, encode_prompt
@@ -201,7 +201,7 @@ class SpeculativeDecoder:
         outputs in order, decoded together as one batch (`verispec.engine`; up to max_batch
         at once, default all), with one params for all or one per prompt. prediction (one
         prompt): see `stream`."""
-        if is_batch(prompt):
+        if _is_batch(prompt):
             if prediction is not None:
                 raise ValueError("a prediction goes with one prompt (use an engine's "
                                  "add_request for a batch with predictions)")
@@ -259,3 +259,10 @@ class SpeculativeDecoder:
         """A predicted output (text, or token ids) -> ids [P] long, as the output would hold
         them (`text.encode_prediction`)."""
         return encode_prediction(self.tokenizer, prediction, self.target.vocab_size)
+
+
+def _is_batch(prompt: object) -> bool:
+    """A list of prompts (strings or id lists), as opposed to one prompt given as ids."""
+    return isinstance(prompt, list | tuple) and bool(prompt) and all(
+        isinstance(p, str | list | tuple) for p in prompt)
+

@@ -243,10 +243,3 @@ def _generator_state(request: Request) -> torch.Tensor | None:
     (Its policy may have priced a tree it will not verify: that moves no output, only a
     running estimate of how much trees keep.)"""
     return None if request.generator is None else request.generator.get_state()
-
-
-def is_batch(prompt: object) -> bool:
-    """A list of prompts (strings or id lists), as opposed to one prompt given as ids."""
-    return isinstance(prompt, list | tuple) and bool(prompt) and all(
-        isinstance(p, str | list | tuple) for p in prompt)
-

@@ -76,7 +76,7 @@ def position_noise(seed: int | Sequence[int] | torch.Tensor,
     (an Exp(1) draw) and G = -log E.
     """
     keys = _keys(seed, position, vocab_size, device)
-    counters = _token_counters(vocab_size, torch.device("cpu"))  # hashed on the CPU
+    counters = _token_counters(vocab_size)
     return -torch.log(_exponentials(_token_bits(keys.unsqueeze(-1), counters)))
 
 
@@ -100,7 +100,7 @@ def _token_bits(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """The top 52 bits of mix(key + counter), int64 in [0, 2^52): keys and counters ((token +
     1) * golden, `_token_counters`) broadcast together; hashed on the CPU (NumPy's uint64
     kernels take about half torch's time), returned on the keys' device."""
-    key, counter = _u64(keys.cpu()), _u64(counters.cpu())
+    key, counter = _u64(keys.cpu()), _u64(counters)
     bits = np.add(key, counter, out=np.empty(np.broadcast_shapes(key.shape, counter.shape),
                                              np.uint64))
     mix64_(bits, np.empty_like(bits))
@@ -122,10 +122,11 @@ def _exponentials(bits: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _token_counters(vocab_size: int, device: torch.device) -> torch.Tensor:
+def _token_counters(vocab_size: int) -> torch.Tensor:
     """(token + 1) * golden for every token [V] int64: the per-token half of the hash's input,
-    the same for every position (kept, not rebuilt every draw)."""
-    return torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * wrap_int64(_GOLDEN)
+    the same for every position (kept, not rebuilt every draw); on the CPU, where the hash
+    runs."""
+    return torch.arange(1, vocab_size + 1, dtype=torch.int64) * wrap_int64(_GOLDEN)
 
 
 def invariant_draw(probs: torch.Tensor, seed: int | Sequence[int] | torch.Tensor,
@@ -158,7 +159,7 @@ def _noisy_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     (~1e-16 against 1e-9). Off the CPU, for no rows, or for a row without a positive finite
     maximum (it draws what it drew, and is refused by the caller), the plain form."""
     num_rows, vocab = probs.shape
-    counters = _token_counters(vocab, torch.device("cpu"))  # [V], hashed on the CPU
+    counters = _token_counters(vocab)  # [V]
 
     def plain() -> torch.Tensor:
         noise = _exponentials(_token_bits(keys.unsqueeze(-1), counters))  # [N, V]

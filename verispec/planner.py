@@ -73,8 +73,9 @@ class RoundPlanner:
         #    added while it waited) drafts only where what it saves pays for catching up.
         #    A batch's rows catch up together, priced at the batch's prices.
         if row_prices is not None:
-            ks = [k if k == 0 or self.catch_up_pays(r, unread(r.drafter, r.history),
-                                                    row_prices, rows)
+            alone = row_prices if rows == 1 else None
+            ks = [k if k == 0 or self.catch_up_pays(r, unread(r.drafter, r.history), alone,
+                                                    rows)
                   else 0 for r, k in zip(requests, ks, strict=True)]
         # 2. Lookups: as many as a lookup may propose; keep() cuts them by kind.
         free_ks = [r.policy.next_k(row_prices, width, free=True)
@@ -91,10 +92,10 @@ class RoundPlanner:
     def catch_up_pays(self, request: Request, lag: int, prices: CostModel | None = None,
                       rows: int = 1) -> bool:
         """Whether the row's draft model should read the `lag` tokens it is behind (priced by
-        the row's policy: `AdaptiveK.catch_up_pays`). Alone (rows 1) at `prices`, or its own
-        at the row's context; one of a batch of `rows` at the batch's prices, by what its
-        draft model's rounds have shown, with the batch's margin. Unpriced rows always catch
-        up."""
+        the row's policy: `AdaptiveK.catch_up_pays`). Alone (rows 1) at `prices`, default its
+        own at its context; one of a batch of `rows` at the batch's prices at its context
+        (`prices` unused), by what its draft model's rounds have shown, with the batch's
+        margin. Unpriced rows always catch up."""
         if getattr(request.drafter, "unread", None) is None or \
                 not isinstance(request.policy, AdaptiveK):
             return True  # no draft model to catch up (a feature draft reads as it goes)
