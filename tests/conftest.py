@@ -71,6 +71,17 @@ def private_cost_cache(request, tmp_path_factory, monkeypatch):
     return folder
 
 
+@pytest.fixture(autouse=True)
+def private_requant_cache(request, tmp_path_factory, monkeypatch):
+    """Re-quantised drafts of the tests' tiny models go to the session's folder, never
+    ~/.cache/verispec/models (the opt-in real-model tests read the real conversions there)."""
+    if request.node.get_closest_marker("real_model") is None:
+        from verispec.quant import requant
+
+        folder = tmp_path_factory.getbasetemp() / "requant-cache"
+        monkeypatch.setattr(requant, "cache_root", lambda: folder)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
     return byte_tokenizer()

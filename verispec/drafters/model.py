@@ -61,6 +61,19 @@ class ModelDrafter:
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         return fit_vocab(logits, self.target_vocab_size, self.head_token_ids)
 
+    def _fit_head(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits [..., W] of the tokens the draft can propose: its head's (all of them
+        with head_token_ids), else its first target_vocab_size (a wider head's extra rows are
+        no tokens of the target's; a narrower one lacks the rest, -inf in `fit_vocab`)."""
+        if self.head_token_ids is None and logits.shape[-1] > self.target_vocab_size:
+            return logits[..., : self.target_vocab_size]
+        return logits
+
+    def _token_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """Indices into `_fit_head`'s logits -> the target's token ids (on the CPU)."""
+        positions = positions.cpu()
+        return positions if self.head_token_ids is None else self.head_token_ids[positions]
+
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int, head_token_ids: torch.Tensor | None = None
               ) -> torch.Tensor:
@@ -103,13 +116,16 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
                                 [sequences[i] for i in rows], [1] * len(rows))
         # 2. Each row draws (or takes the argmax) and extends its sequence.
         for i, row_logits in zip(rows, logits, strict=True):
-            row_logits = drafters[i]._fit_vocab(row_logits)  # [1, V]
             if params[i].greedy:
-                token = greedy_tokens(row_logits).cpu()  # [1]
+                # the argmax over the draft's own head [1, W], then its token id: the target's
+                # vocabulary [1, V] (-inf outside the head) is only built for a distribution
+                head_logits = drafters[i]._fit_head(row_logits)  # [1, W]
+                token = drafters[i]._token_ids(greedy_tokens(head_logits))  # [1]
                 cut = None if cuts is None else cuts[i]
                 if cut is not None:  # 3. a chain the drafter is no longer sure of stops
-                    row = row_logits[0].float()  # its top token's probability, no [V] copy
-                    sure = float((row[token[0]] - torch.logsumexp(row, -1)).exp())
+                    row = head_logits[0].float()  # its top token's probability
+                    top = row.max()
+                    sure = float((top - torch.logsumexp(row, -1)).exp())
                     confidence[i].append(sure * (confidence[i][-1] if confidence[i] else 1.0))
                     if not cut.keeps(confidence[i]):
                         ks[i] = step
@@ -117,7 +133,7 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
                     if not cut.goes_on(confidence[i]):
                         ks[i] = step + 1
             else:
-                draft_probs = warp(row_logits, params[i])  # [1, V]
+                draft_probs = warp(drafters[i]._fit_vocab(row_logits), params[i])  # [1, V]
                 token = draw(draft_probs, params[i], generators[i],
                              int(sequences[i].numel())).cpu()
                 probs[i].append(draft_probs[0])
