@@ -191,6 +191,55 @@ def test_a_rows_output_does_not_depend_on_the_other_rows_or_threads(path, qtype)
         torch.set_num_threads(threads)
 
 
+def documented_activations(x: np.ndarray):
+    """activations.h's definition in NumPy, element by element: per block of 32, d = max|x| /
+    127 (a NaN wins), q = round(x / d) half to even, clamped to +-127, NaN -> 0; the rows
+    padded with zeros to a multiple of 256; sums per 16 (d * sum q), their integer sums, and
+    per block d * (sum of both halves)."""
+    rows, k = x.shape
+    padded = (k + 255) // 256 * 256
+    x = np.concatenate([x, np.zeros((rows, padded - k), np.float32)], axis=1)
+    blocks = x.reshape(rows, -1, 32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        magnitude = np.abs(blocks)
+        amax = np.where(np.isnan(magnitude).any(-1), np.float32(np.nan), np.nanmax(
+            np.where(np.isnan(magnitude), 0, magnitude), -1)).astype(np.float32)
+        d = (amax / np.float32(127)).astype(np.float32)
+        inverse = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        v = np.rint(blocks * inverse[..., None]).astype(np.float32)
+    v = np.where(np.isnan(v), 0, np.clip(v, -127, 127))
+    codes = v.astype(np.int8).reshape(rows, padded)
+    b16 = codes.reshape(rows, -1, 16).astype(np.int32).sum(-1)
+    with np.errstate(invalid="ignore"):  # a NaN block's d: its sums are NaN
+        sums = (np.repeat(d, 2, axis=1) * b16.astype(np.float32)).astype(np.float32)
+        s32 = (d * (b16[:, 0::2] + b16[:, 1::2]).astype(np.float32)).astype(np.float32)
+    return codes, d, sums, b16, s32
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_activations_are_quantised_as_documented(path):
+    module = load_path(path)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 300)) * 10.0 ** rng.uniform(-3, 3, (6, 1))).astype(np.float32)
+    x[0, :32] = np.arange(32, dtype=np.float32) - 15.5  # ties: x / d = x, as d = 127 / 127
+    x[0, 0] = 127.0
+    x[1, 5] = np.nan  # a NaN block
+    x[2, 40], x[2, 77] = np.inf, -np.inf  # an infinite maximum: the block's codes are 0 or NaN
+    x[3, 64:96] = np.float32(1e-43)  # subnormal: 1 / d overflows
+    x[3, 96:128] = 0.0
+    x[4, 128:160] = rng.uniform(-1, 1, 32).astype(np.float32) * np.float32(3e-38)
+    x[5] = np.round(x[5] * 2) / 2  # many exact halves
+    got = [t.numpy() for t in module.quantize_activations(torch.from_numpy(x))]
+    want = documented_activations(x)
+    for name, a, b in zip(("codes", "scales", "sums", "b16", "s32"), got, want, strict=True):
+        assert np.array_equal(a.view(np.int32 if a.dtype == np.float32 else a.dtype),
+                              b.view(np.int32 if b.dtype == np.float32 else b.dtype)) or \
+            np.array_equal(a, b, equal_nan=True), name
+    # a negative control: rounding half away from zero differs on the ties of row 0
+    away = np.trunc(x[0, :32] + np.copysign(0.5, x[0, :32]))
+    assert got[1][0, 0] == 1.0 and not np.array_equal(away.astype(np.int8), got[0][0, :32])
+
+
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "scalar"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_path_gives_the_portable_paths_bits(path, qtype):

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "formats.h"
+#include "vector.h"
 
 #include <cmath>
 
@@ -28,30 +29,83 @@ struct Activations {  // views of one pass's quantised rows; the caller owns the
   const float* row_sums(int64_t r) const { return sums + r * (padded / 16); }
 };
 
-// x[0 .. K) into codes[0 .. padded), scales[0 .. padded / 32), sums[0 .. padded / 16).
+// One block of `count` (<= 32) values, element by element: its codes (zeros past count), the
+// sums of its two halves' codes, and its scale d. The definition the 16-lane version keeps.
+inline float quantize_block_scalar(const float* x, int64_t count, int8_t* codes,
+                                   int32_t half_sums[2]) {
+  // 1. the block's largest magnitude, and its scale
+  float amax = 0.0f;
+  for (int64_t i = 0; i < count; i++) {
+    const float a = std::fabs(x[i]);
+    amax = (a > amax || a != a) ? a : amax;  // a NaN stays: the row's outputs turn NaN
+  }
+  const float d = amax / 127.0f;
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  // 2. codes, and their sums per half block
+  half_sums[0] = half_sums[1] = 0;
+  for (int64_t i = 0; i < QK; i++) {
+    float v = i < count ? std::nearbyint(x[i] * inverse) : 0.0f;
+    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f));
+    codes[i] = int8_t(v);
+    half_sums[i / 16] += int32_t(v);
+  }
+  return d;
+}
+
+// A whole block (32 values) in two 16-lane vectors, the same bits as quantize_block_scalar:
+// the largest magnitude is the same in any order (a NaN wins either way), and x / d rounds half
+// to even through the 1.5 * 2^23 shifter as nearbyint does in the default rounding mode (exact
+// for |v| < 2^22, and |x / d| <= 127 here unless 1 / d overflows, where both give +-inf or NaN,
+// which the clamp turns into +-127 or 0).
+inline float quantize_block_lanes(const float* x, int8_t* codes, int32_t half_sums[2]) {
+  typedef int8_t Bytes __attribute__((vector_size(16)));
+  const auto magnitude = [](Floats v) {
+    Ints bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    bits = bits & 0x7fffffff;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  };
+  // 1. the block's largest magnitude, and its scale
+  const Floats low = load_lanes(x), high = load_lanes(x + LANES);
+  const Floats a = magnitude(low), b = magnitude(high);
+  const Floats larger = (a > b || a != a) ? a : b;
+  float amax = 0.0f;
+  for (int l = 0; l < LANES; l++) amax = (larger[l] > amax || larger[l] != larger[l]) ? larger[l] : amax;
+  const float d = amax / 127.0f;
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  // 2. codes, and their sums per half block
+  const Floats shifter = splat(12582912.0f);
+  for (int half = 0; half < 2; half++) {
+    Floats v = ((half ? high : low) * inverse + shifter) - shifter;
+    v = v > 127.0f ? splat(127.0f) : (v < -127.0f ? splat(-127.0f) : (v == v ? v : splat(0.0f)));
+    const Ints q = __builtin_convertvector(v, Ints);
+    const Bytes bytes = __builtin_convertvector(q, Bytes);
+    std::memcpy(codes + LANES * half, &bytes, sizeof bytes);
+    int32_t sum = 0;
+    for (int l = 0; l < LANES; l++) sum += q[l];
+    half_sums[half] = sum;
+  }
+  return d;
+}
+
+// x[0 .. K) into codes[0 .. padded), scales[0 .. padded / 32), sums[0 .. padded / 16); with
+// b16 and s32, panels.h's panel_sums too (the same values, from the same pass).
 inline void quantize_row(const float* x, int64_t K, int64_t padded, int8_t* codes, float* scales,
-                         float* sums) {
+                         float* sums, int32_t* b16 = nullptr, float* s32 = nullptr) {
   for (int64_t b = 0; b < padded / QK; b++) {
-    // 1. the block's largest magnitude, and its scale
-    float amax = 0.0f;
     const int64_t first = b * QK, count = first >= K ? 0 : (K - first < QK ? K - first : QK);
-    for (int64_t i = 0; i < count; i++) {
-      const float a = std::fabs(x[first + i]);
-      amax = (a > amax || a != a) ? a : amax;  // a NaN stays: the row's outputs turn NaN
-    }
-    const float d = amax / 127.0f;
-    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    // 2. codes, and their sums per half block
-    int half_sums[2] = {0, 0};
-    for (int64_t i = 0; i < QK; i++) {
-      float v = i < count ? std::nearbyint(x[first + i] * inverse) : 0.0f;
-      v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f));
-      codes[first + i] = int8_t(v);
-      half_sums[i / 16] += int(v);
-    }
+    int32_t half_sums[2];
+    const float d = count == QK ? quantize_block_lanes(x + first, codes + first, half_sums)
+                                : quantize_block_scalar(x + first, count, codes + first, half_sums);
     scales[b] = d;
     sums[2 * b] = d * float(half_sums[0]);
     sums[2 * b + 1] = d * float(half_sums[1]);
+    if (b16 != nullptr) {
+      b16[2 * b] = half_sums[0];
+      b16[2 * b + 1] = half_sums[1];
+      s32[b] = d * float(half_sums[0] + half_sums[1]);
+    }
   }
 }
 

@@ -159,8 +159,8 @@ struct QuantisedRows {
   PanelSums panel_sums_view() const { return {s32.data(), b16.data()}; }
   void quantise(const float* x, int64_t K, int64_t row) {
     quantize_row(x, K, padded, codes.data() + row * padded, scales.data() + row * (padded / QK),
-                 sums.data() + row * (padded / 16));
-    panel_sums(view(), row, s32.data() + row * (padded / QK), b16.data() + row * (padded / 16));
+                 sums.data() + row * (padded / 16), b16.data() + row * (padded / 16),
+                 s32.data() + row * (padded / QK));
   }
 };
 

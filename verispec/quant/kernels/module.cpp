@@ -91,6 +91,27 @@ inline Quantised quantise_for_panels(const torch::Tensor& x, int64_t K) {
   return q;
 }
 
+// x [R, K] -> the activations the products read: codes [R, padded] int8, scales [R, padded /
+// 32], sums [R, padded / 16], and the panel sums b16 [R, padded / 16] int32, s32 [R, padded /
+// 32], each row quantised as a pass quantises it (forward.h's QuantisedRows).
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [R, K] tensor");
+  const int64_t R = x.size(0), K = x.size(1), padded = padded_length(K);
+  auto codes = torch::empty({R, padded}, torch::kInt8);
+  auto scales = torch::empty({R, padded / QK}, torch::kFloat32);
+  auto sums = torch::empty({R, padded / 16}, torch::kFloat32);
+  auto b16 = torch::empty({R, padded / 16}, torch::kInt32);
+  auto s32 = torch::empty({R, padded / QK}, torch::kFloat32);
+  for (int64_t r = 0; r < R; r++)
+    quantize_row(x.data_ptr<float>() + r * K, K, padded, codes.data_ptr<int8_t>() + r * padded,
+                 scales.data_ptr<float>() + r * (padded / QK),
+                 sums.data_ptr<float>() + r * (padded / 16),
+                 b16.data_ptr<int32_t>() + r * (padded / 16),
+                 s32.data_ptr<float>() + r * (padded / QK));
+  return {codes, scales, sums, b16, s32};
+}
+
 inline void check_panels(const torch::Tensor& weight, int64_t type) {
   TORCH_CHECK(has_panels(int(type)), "GGUF type ", type, " has no panel layout");
   TORCH_CHECK(weight.size(0) % PANEL == 0, "panels need a multiple of 16 rows");
@@ -188,6 +209,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &vq::dequantize, "exact float32 dequantisation");
   m.def("get_rows", &vq::get_rows, "rows of the weight, dequantised");
   m.def("pack", &vq::pack, "the weight as panels of 16 rows (panels.h)");
+  m.def("quantize_activations", &vq::quantize_activations,
+        "activations as a pass quantises them: codes, scales, sums, b16, s32");
   m.def("matmul_panels", &vq::matmul_panels, "y = x . packed weight^T in panels.h's order");
   m.def("matmul_panels_reference", &vq::matmul_panels_reference,
         "panels.h's order in plain C++, from the file's blocks");
