@@ -90,8 +90,9 @@ def _build(path: str) -> ModuleType | None:
     module = kernel_build.build_extension(f"verispec_quant_{path}", sources,
                                           sorted(SOURCES.glob("*.h")), FLAGS[path],
                                           f"quantised kernels ({path} path)")
-    if module is not None:  # measured: Intel's prefetcher lags one streamed row, AMD's not
-        module.set_prefetch_lone_row(cpu.vendor() == "GenuineIntel")
+    if module is not None:  # measured on Intel CPUs (panels.h); AMD keeps its own prefetcher's
+        intel = cpu.vendor() == "GenuineIntel"
+        module.set_prefetch(lone_row=intel, far=16 if intel else 0)
     return module
 
 

@@ -441,10 +441,12 @@ struct Avx2PanelKernel {
     for (int64_t t = 0; t < rows; t++)
       acc[t][0] = acc[t][1] = mac[t][0] = mac[t][1] = _mm256_setzero_ps();
     constexpr int64_t kBlockShare = panel_block_bytes(T) * QK / panel_block_size(T);
+    const int64_t far = prefetch_far();
     for (int64_t b = 0; b < nblocks; b++) {
       const char* ahead = reinterpret_cast<const char*>(panel) + (b + kAhead) * kBlockShare;
       for (int64_t line = 0; line < kBlockShare; line += 64)
         _mm_prefetch(ahead + line, _MM_HINT_T0);
+      prefetch_far_block(panel, (b + far) * kBlockShare, kBlockShare);
       for (int h = 0; h < 2; h++) {
         // 1. half h's codes and factors, once for all rows
         Half k;

@@ -270,14 +270,14 @@ struct PanelKernel {
     // a block's share of the panel's bytes, to fetch ahead: with several rows a block's
     // products outlast the hardware prefetcher's reach, and every block would wait on memory
     constexpr int64_t kBlockShare = panel_block_bytes(T) * QK / panel_block_size(T);
-    const int64_t blocks_ahead = rows > 1 ? kAhead : kLoneAhead;
+    const int64_t near = rows > 1 ? kAhead : kLoneAhead, far = prefetch_far();
     for (int64_t b = 0; b < nblocks; b++) {
-      const char* ahead =
-          reinterpret_cast<const char*>(panel) + (b + blocks_ahead) * kBlockShare;
+      const char* ahead = reinterpret_cast<const char*>(panel) + (b + near) * kBlockShare;
       // (a lone row may keep pace with the hardware prefetcher: prefetch_lone_row, panels.h)
       if (rows > 1 || prefetch_lone_row())
         for (int64_t line = 0; line < kBlockShare; line += 64)
           _mm_prefetch(ahead + line, _MM_HINT_T0);
+      prefetch_far_block(panel, (b + far) * kBlockShare, kBlockShare);
       // 1. the block's codes and factors, once for all rows
       Block k;
       decode<T>(panel, b, k);

@@ -214,8 +214,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_panels", &vq::matmul_panels, "y = x . packed weight^T in panels.h's order");
   m.def("matmul_panels_reference", &vq::matmul_panels_reference,
         "panels.h's order in plain C++, from the file's blocks");
-  m.def("set_prefetch_lone_row", [](bool on) { vq::prefetch_lone_row() = on; },
-        "whether panel kernels fetch ahead for a lone activation row (panels.h)");
+  m.def("set_prefetch", [](bool lone_row, int64_t far) {
+          TORCH_CHECK(far >= 0, "far must be >= 0, got ", far);
+          vq::prefetch_lone_row() = lone_row;
+          vq::prefetch_far() = far;
+        }, "how panel kernels fetch blocks ahead (panels.h): into L1 for a lone row too, and "
+        "into L2 `far` blocks ahead (0: not)", pybind11::arg("lone_row"), pybind11::arg("far"));
   m.def("panel_types", [] {
     std::vector<int64_t> types;
     for (int t : vq::kPanelTypes)

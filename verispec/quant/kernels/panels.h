@@ -50,13 +50,29 @@
 
 namespace vq {
 
-// Whether a panel kernel fetches blocks ahead for a lone activation row too (set once at load,
-// `set_prefetch_lone_row`): on AMD Zen 4 the hardware prefetcher keeps pace with one row and
-// software prefetches 8 blocks ahead cost ~7% of a Qwen2.5-1.5B step; on an Intel Xeon with AMX
-// fetching 4 blocks ahead (the AVX-512 kernel's kLoneAhead) takes 16% off that step.
+// How panel kernels fetch a panel's blocks ahead of the one they multiply, set once at load by
+// CPU vendor (`set_prefetch`, quant_kernels.py):
+//   - into L1, a few blocks ahead: always with several activation rows; with a lone row only
+//     where `prefetch_lone_row` (on AMD Zen 4 the hardware prefetcher keeps pace with one row,
+//     and software prefetches 8 blocks ahead cost ~7% of a Qwen2.5-1.5B step; on an Intel Xeon 4
+//     ahead, the AVX-512 kernel's kLoneAhead, take 16% off it);
+//   - into L2, `prefetch_far` blocks ahead (0: not), for every row count: on an Intel Xeon the
+//     stream from memory then keeps enough lines in flight (16 ahead: the 1.5B's one-token step
+//     a further -10%, two rows -23%, the 0.5B's step -13%; -25% on the AVX2 kernel).
 inline bool& prefetch_lone_row() {
   static bool on = false;
   return on;
+}
+inline int64_t& prefetch_far() {
+  static int64_t blocks = 0;
+  return blocks;
+}
+
+// The `bytes` at p + offset into L2, where `prefetch_far` asks for it (p + offset may lie past
+// the weight: a prefetch never faults).
+inline void prefetch_far_block(const uint8_t* p, int64_t offset, int64_t bytes) {
+  if (prefetch_far() > 0)
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + offset + line, 0, 2);
 }
 
 constexpr int64_t PANEL = 16;  // weight rows in a panel
