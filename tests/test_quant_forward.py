@@ -89,6 +89,34 @@ def test_the_pass_is_close_to_the_pytorch_loop(tiny_file, path):
     assert (shifted[1:] - expected).abs().max() > 0.01 * expected.abs().max()
 
 
+def test_the_head_runs_in_the_pass(tiny_file, path):
+    """The final norm and head of the wanted positions run in the pass's own call: their
+    logits are the head's over the normed last hidden states (the cache's features), as the
+    PyTorch head computes them up to the norm's rounding (which can move an activation code by
+    one), and a position's neighbour's are far from them."""
+    llama = native(tiny_file)
+    assert llama.fused.has_head
+    cache = llama.new_cache()
+    logits = llama.forward(IDS[:40], 0, 16, cache)  # [16, V]: positions 24..39
+    features = cache.features[24:40]
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        return llama.lm_head(llama._norm(hidden, llama.final_norm)).float()
+
+    expected = head(features)
+    assert (logits - expected).abs().max() <= 0.01 * expected.abs().max()
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    assert (logits - head(cache.features[23:39])).abs().max() > 0.01 * expected.abs().max()
+    # a wanted position outside the pass is refused before the threads start
+    rows = llama.kernels.PassRows(keys=[cache.keys], values=[cache.values], starts=[40],
+                                  lengths=[1], tree_bases=[], path_slots=[], path_offsets=[0])
+    with pytest.raises(RuntimeError, match="wanted position out of the pass"):
+        llama.kernels.forward_layers(torch.zeros(1, llama.shape.hidden_size),
+                                     decoder=llama.fused, rows=rows, taps=torch.empty(0),
+                                     tap_layers=[], wanted=[1],
+                                     logits=torch.empty(1, llama.lm_head.out_features))
+
+
 def test_a_positions_bits_do_not_depend_on_the_pass(tiny_file, path):
     llama = native(tiny_file)
     whole = logits_in_passes(llama, IDS[:40], [40])  # one prompt pass

@@ -98,14 +98,19 @@ struct LayerWeights {
   Projection down;                    // I -> H
 };
 
-// What a model's pass needs besides its rows, checked once at load.
+// What a model's pass needs besides its rows, checked once at load. The final norm and the head
+// are optional (an empty projection: the caller runs its head itself).
 struct Decoder {
   Shape shape;
   std::vector<LayerWeights> layers;
   torch::Tensor cos, sin;  // [max_positions, d] float32 rotary tables (llama.py's rope_tables)
+  torch::Tensor final_norm;  // [H] float32, or empty
+  Projection head;           // H -> vocabulary, or none
 
-  Decoder(Shape shape_, std::vector<LayerWeights> layers_, torch::Tensor cos_, torch::Tensor sin_)
-      : shape(shape_), layers(std::move(layers_)), cos(std::move(cos_)), sin(std::move(sin_)) {
+  Decoder(Shape shape_, std::vector<LayerWeights> layers_, torch::Tensor cos_, torch::Tensor sin_,
+          torch::Tensor final_norm_, Projection head_)
+      : shape(shape_), layers(std::move(layers_)), cos(std::move(cos_)), sin(std::move(sin_)),
+        final_norm(std::move(final_norm_)), head(std::move(head_)) {
     const int64_t h = shape.hidden, d = shape.head_dim, inter = shape.intermediate;
     TORCH_CHECK(h % LANES == 0 && inter % LANES == 0 && d % LANES == 0,
                 "hidden, intermediate and head_dim must be multiples of 16");
@@ -121,6 +126,13 @@ struct Decoder {
         TORCH_CHECK(part.in_features == k, name, ": ", part.in_features, " inputs, the shape says ",
                     k);
     };
+    if (!head.empty()) {
+      TORCH_CHECK(final_norm.scalar_type() == torch::kFloat32 && final_norm.is_contiguous() &&
+                  final_norm.numel() == h, "final norm: [hidden] float32");
+      for (const Part& part : head)
+        TORCH_CHECK(part.in_features == h, "head: ", part.in_features, " inputs, the shape says ",
+                    h);
+    }
     for (const LayerWeights& layer : layers) {
       for (const torch::Tensor* norm : {&layer.attn_norm, &layer.mlp_norm})
         TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->is_contiguous() &&
@@ -409,9 +421,13 @@ inline AttendFn attend_for(int64_t d) {
 
 // The decoder layers over every row's new positions: x [N, H] float32 is updated in place, each
 // row's keys and values at its new slots are written into its cache, and taps
-// [N, len(tap_layers), H] gets the hidden state after the first tap_layers[j] layers.
+// [N, len(tap_layers), H] gets the hidden state after the first tap_layers[j] layers. With
+// `wanted` (positions of x, where the decoder has a head), logits [len(wanted), vocabulary]
+// gets their final norm and head in the same pass: no second team and no round trip through
+// Python for a pass's last step.
 inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRows& pass,
-                           torch::Tensor taps, const std::vector<int64_t>& tap_layers) {
+                           torch::Tensor taps, const std::vector<int64_t>& tap_layers,
+                           const std::vector<int64_t>& wanted, torch::Tensor logits) {
   const Shape& shape = decoder.shape;
   const int64_t n = x.size(0), h = shape.hidden, d = shape.head_dim, inter = shape.intermediate;
   const int64_t q_width = shape.heads * d, kv_width = shape.kv_heads * d;
@@ -472,6 +488,15 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
     offset += pass.lengths[r];
   }
   TORCH_CHECK(offset == n, "rows hold ", offset, " positions, x ", n);
+  const int64_t num_wanted = int64_t(wanted.size());
+  if (num_wanted) {
+    TORCH_CHECK(!decoder.head.empty(), "logits wanted from a decoder without a head");
+    TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                logits.scalar_type() == torch::kFloat32 && logits.size(0) == num_wanted &&
+                logits.size(1) == out_features(decoder.head),
+                "logits must be [len(wanted), vocabulary] float32");
+    for (int64_t i : wanted) TORCH_CHECK(i >= 0 && i < n, "wanted position out of the pass");
+  }
   if (n == 0) return;
 
   // 2. Attention tasks: a lone decode row's query heads one a task (work for every thread),
@@ -484,6 +509,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       for (int64_t first = 0; first < members; first += size)
         tasks.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});
   }
+  const std::vector<Unit> head_units = num_wanted ? units_of(decoder.head) : std::vector<Unit>{};
   std::vector<std::vector<Unit>> units[4];
   for (const LayerWeights& layer : decoder.layers) {
     units[0].push_back(units_of(layer.qkv));
@@ -497,6 +523,8 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
   std::vector<float> normed(n * h), qkv(n * qkv_width), attended(n * q_width), y(n * h),
       gate_up(n * 2 * inter), act(n * inter);
   QuantisedRows by_hidden(n, h), by_heads(n, q_width), by_inter(n, inter);
+  QuantisedRows by_final(num_wanted, h);  // the wanted positions' final norm, for the head
+  std::vector<float> final_normed(num_wanted * h);
   const float* cos = decoder.cos.data_ptr<float>();
   const float* sin = decoder.sin.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(float(d));
@@ -590,6 +618,18 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       product(me, w.down, units[3][layer], by_inter, n, y.data());
     }
     for (int64_t i = i0; i < i1; i++) finish_layer(i, num_layers);
+    // 7. The wanted positions' final norm and head.
+    if (num_wanted) {
+      me.wait();
+      const auto [w0, w1] = me.share(num_wanted);
+      const float* final_norm = decoder.final_norm.data_ptr<float>();
+      for (int64_t j = w0; j < w1; j++) {
+        rms_norm_row(hidden + wanted[j] * h, h, final_norm, eps, &final_normed[j * h]);
+        by_final.quantise(&final_normed[j * h], h, j);
+      }
+      me.wait();
+      product(me, decoder.head, head_units, by_final, num_wanted, logits.data_ptr<float>());
+    }
   }
 }
 

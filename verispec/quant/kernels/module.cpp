@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 namespace vq {
@@ -246,10 +247,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::kw_only(), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("qkv"),
            py::arg("out"), py::arg("gate_up"), py::arg("down"));
   py::class_<vq::Decoder>(m, "Decoder", py::module_local())
-      .def(py::init<vq::Shape, std::vector<vq::LayerWeights>, torch::Tensor, torch::Tensor>(),
-           py::kw_only(), py::arg("shape"), py::arg("layers"), py::arg("cos"), py::arg("sin"))
+      .def(py::init([](vq::Shape shape, std::vector<vq::LayerWeights> layers, torch::Tensor cos,
+                       torch::Tensor sin, std::optional<torch::Tensor> final_norm,
+                       vq::Projection head) {
+             return vq::Decoder(shape, std::move(layers), std::move(cos), std::move(sin),
+                                final_norm.value_or(torch::empty({0})), std::move(head));
+           }),
+           py::kw_only(), py::arg("shape"), py::arg("layers"), py::arg("cos"), py::arg("sin"),
+           py::arg("final_norm") = py::none(), py::arg("head") = vq::Projection())
       .def_property_readonly("num_layers",
-                             [](const vq::Decoder& decoder) { return decoder.layers.size(); });
+                             [](const vq::Decoder& decoder) { return decoder.layers.size(); })
+      .def_property_readonly("has_head",
+                             [](const vq::Decoder& decoder) { return !decoder.head.empty(); });
   py::class_<vq::PassRows>(m, "PassRows", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
@@ -257,7 +266,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::kw_only(), py::arg("keys"), py::arg("values"), py::arg("starts"),
            py::arg("lengths"), py::arg("tree_bases"), py::arg("path_slots"),
            py::arg("path_offsets"));
-  m.def("forward_layers", &vq::forward_layers, py::arg("x"), py::arg("decoder"),
-        py::arg("rows"), py::arg("taps"), py::arg("tap_layers"),
-        "every decoder layer of one pass (forward.h)");
+  m.def("forward_layers",
+        [](torch::Tensor x, const vq::Decoder& decoder, const vq::PassRows& rows,
+           torch::Tensor taps, const std::vector<int64_t>& tap_layers,
+           const std::vector<int64_t>& wanted, std::optional<torch::Tensor> logits) {
+          vq::forward_layers(std::move(x), decoder, rows, std::move(taps), tap_layers, wanted,
+                             logits.value_or(torch::empty({0})));
+        },
+        py::arg("x"), py::arg("decoder"), py::arg("rows"), py::arg("taps"),
+        py::arg("tap_layers"), py::arg("wanted") = std::vector<int64_t>(),
+        py::arg("logits") = py::none(),
+        "every decoder layer of one pass, and the wanted positions' logits (forward.h)");
 }

@@ -111,6 +111,9 @@ class GGUFLlama(NativeLlama):
         def projection(linear) -> list:
             return [_part(module, part) for part in getattr(linear, "parts", [linear])]
 
+        # the final norm and head run in the same call where the head is quantised
+        head = self.lm_head
+        in_pass = isinstance(head, QuantLinear) and head.weight.quantized
         self.kernels = module
         return module.Decoder(
             shape=module.Shape(hidden=shape.hidden_size, heads=shape.num_heads,
@@ -122,7 +125,9 @@ class GGUFLlama(NativeLlama):
                                         gate_up=projection(layer.gate_up),
                                         down=projection(layer.down))
                     for layer in self.layers],
-            cos=self.cos.float().contiguous(), sin=self.sin.float().contiguous())
+            cos=self.cos.float().contiguous(), sin=self.sin.float().contiguous(),
+            final_norm=self.final_norm.float().contiguous() if in_pass else torch.empty(0),
+            head=projection(head) if in_pass else [])
 
     # a prompt pass attends as short passes would, where the probe allows (class doc)
     plan_prompts = True

@@ -195,27 +195,35 @@ class NativeLlama:
         tap_layers = list(dict.fromkeys(tap for row in rows for tap in row.cache.tap_layers))
         taps = torch.empty(x.shape[0] if tap_layers else 0, len(tap_layers), x.shape[1],
                            dtype=self.dtype, device=self.device)  # [N, n, H]: only when kept
+        ends = list(itertools.accumulate(lengths))
+        wanted = [position for row, end in zip(rows, ends, strict=True)
+                  for position in range(end - row.num_logits, end)]
+        logits = None
         if self.fused is not None:
-            x = self._fused_layers(rows, lengths, paths, x, tap_layers, taps)
+            # the head in the same call where the kernels' decoder has it (logits [sum, V])
+            if getattr(self.fused, "has_head", False) and wanted:
+                logits = torch.empty(len(wanted), self.lm_head.out_features)
+            x = self._fused_layers(rows, lengths, paths, x, tap_layers, taps, wanted, logits)
         else:
             x = self._torch_layers(rows, lengths, paths, x, tap_layers, taps)
-        ends = list(itertools.accumulate(lengths))
         for row, length, end in zip(rows, lengths, ends, strict=True):
             row.cache.features[row.start:row.start + length] = x[end - length:end]
             if row.cache.tap_layers:
                 columns = [tap_layers.index(tap) for tap in row.cache.tap_layers]
                 row.cache.taps[row.start:row.start + length] = taps[end - length:end, columns]
         # The head, only for the positions whose logits are wanted.
-        wanted = torch.cat([torch.arange(end - row.num_logits, end)
-                            for row, end in zip(rows, ends, strict=True)])
-        logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
+        if logits is None:
+            logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
         return list(logits.split([row.num_logits for row in rows]))
 
     def _fused_layers(self, rows: list[RowPass], lengths: list[int],
                       paths: list[list[list[int]] | None], x: torch.Tensor,
-                      tap_layers: list[int], taps: torch.Tensor) -> torch.Tensor:
+                      tap_layers: list[int], taps: torch.Tensor, wanted: list[int],
+                      logits: torch.Tensor | None) -> torch.Tensor:
         """Every decoder layer in one C++ call (kernels.cpp): x [N, H] -> [N, H], the tapped
-        hidden states into taps [N, n, H]. Tree rows pass each slot's path, flattened."""
+        hidden states into taps [N, n, H]. Tree rows pass each slot's path, flattened. With
+        logits [len(wanted), V] (a decoder that has its head), the wanted positions' logits
+        are written there by the same call."""
         x = x.contiguous().clone()  # updated in place
         bases, slots, offsets = [], [], [0]  # offsets [N + 1] into slots, when any row is a tree
         if any(row_paths is not None for row_paths in paths):
@@ -228,8 +236,12 @@ class NativeLlama:
             keys=[row.cache.keys for row in rows], values=[row.cache.values for row in rows],
             starts=[row.start for row in rows], lengths=lengths, tree_bases=bases,
             path_slots=slots, path_offsets=offsets)
-        self.kernels.forward_layers(x, decoder=self.fused, rows=batch, taps=taps,
-                                    tap_layers=tap_layers)
+        if logits is None:
+            self.kernels.forward_layers(x, decoder=self.fused, rows=batch, taps=taps,
+                                        tap_layers=tap_layers)
+        else:
+            self.kernels.forward_layers(x, decoder=self.fused, rows=batch, taps=taps,
+                                        tap_layers=tap_layers, wanted=wanted, logits=logits)
         return x
 
     def _torch_layers(self, rows: list[RowPass], lengths: list[int],
