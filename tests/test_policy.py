@@ -14,7 +14,7 @@ from verispec.costs import CostModel, measure_costs, verify_curve
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.policy import AcceptanceEstimate, AdaptiveK, FixedK, HeuristicK
 from verispec.runtime import HFRunner
-from verispec.theory import optimal_k
+from verispec.theory import expected_speedup, optimal_k
 
 
 def test_heuristic_schedule_plus_two_minus_one():
@@ -447,6 +447,29 @@ def test_a_draft_model_far_behind_catches_up_only_where_it_pays():
     assert predicted.catch_up_pays(prices, lag=300, remaining=256)
     free = dataclasses.replace(prices, draft_catch_up_s=0.0)  # nothing measured: no limit
     assert AdaptiveK().catch_up_pays(free, lag=3000, remaining=8)
+
+
+def test_a_draft_model_pays_for_reading_what_other_sources_write():
+    """Once caught up, a draft model still reads every token a prediction or a lookup writes
+    before it drafts again: a row whose prediction writes most of the output leaves a long
+    prompt unread even where the draft model's own rounds would save more than the prompt
+    costs to read, and a row the draft model drafts alone reads it."""
+    prices = dataclasses.replace(costs(0.3, [1.0, 1.05, 1.1, 1.15, 1.2]),
+                                 draft_catch_up_s=0.002)  # 0.04 steps a token
+    alone = AdaptiveK()
+    predicted = AdaptiveK()
+    for _ in range(30):
+        predicted.update(-16, 16, 16)  # the prediction writes 17 tokens a round
+        predicted.update(0, 0, 0)  # a round left to the draft model writes 1
+    share = predicted.model_rounds.gamma  # by tokens: ~1 in 18, and the prior's pull
+    assert 0.03 < share < 0.15
+    assert alone.catch_up_pays(prices, lag=215, remaining=512)
+    assert not predicted.catch_up_pays(prices, lag=215, remaining=512)
+    # without the reading to come, the saving would have paid for the prompt (8.6 steps)
+    gamma = predicted.gamma(0)
+    k = optimal_k(gamma, prices.draft_step, prices.verify, prices.k_max)
+    rate = expected_speedup(gamma, k, prices.draft_step, prices.v(k + 1))
+    assert share * 512 * (1 - 1 / rate) > prices.catch_up(215)
 
 
 def test_a_batch_catches_up_by_what_its_draft_model_has_shown_not_by_the_prior():

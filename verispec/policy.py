@@ -159,10 +159,11 @@ class AdaptiveK:
     # chain: 1), so where a wide pass is dear drafting still pays as a narrow tree.
     sampling: bool = False
     kept: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior=1.0))
-    # The share of rounds the draft model drafts in (no lookup or prediction proposed): how
-    # much of the output a draft model that lags behind would speed up once it has caught up
-    # (`catch_up_pays`). A row with a prediction starts low: the prediction is expected to
-    # propose most of its rounds.
+    # The share of the output's tokens that come from the draft model's rounds (no lookup or
+    # prediction proposed): how much of the output a draft model that lags behind would speed
+    # up once it has caught up, and how much of it, written by the others, it would have to
+    # read on the way (`catch_up_pays`). A row with a prediction starts low: the prediction is
+    # expected to write most of its output.
     model_rounds: AcceptanceEstimate = field(
         default_factory=lambda: AcceptanceEstimate(prior=1.0))
     # Acceptance by source over the decoder's earlier requests (shared by their policies, one
@@ -229,7 +230,8 @@ class AdaptiveK:
                 estimate.idle += 1
         checked = min(num_accepted + 1, num_drafted)
         self._estimate(source).update(checked, num_accepted)
-        self.model_rounds.update(1, int(source == 0))
+        written = num_accepted + 1  # the round's tokens: the accepted ones and the target's
+        self.model_rounds.update(written, written if source == 0 else 0)
         if self.shared is not None and checked:
             self.shared.setdefault(source, shared_estimate(self._prior(source))).update(
                 checked, num_accepted)
@@ -239,9 +241,17 @@ class AdaptiveK:
         """Whether a draft model `lag` tokens behind the row (a prompt it has not read, or what
         lookups and a prediction added while it waited) should read them and draft this round:
         what it would save over the rest of the output (`remaining` tokens, at most
-        config.catch_up_horizon, in the share of rounds it drafts in, at the speedup of its best
-        K) beats what the catching up costs (`CostModel.catch_up`). A lag a round's own draft
-        step absorbs (up to k_max + 1 tokens) is never in question.
+        config.catch_up_horizon, in the share of the output its rounds write, at the speedup of
+        its best K) beats what the reading costs (`CostModel.catch_up`): the lag now, and the
+        rest of those tokens, which lookups and a prediction will write and it must read before
+        it drafts again. A lag a round's own draft step absorbs (up to k_max + 1 tokens) is
+        never in question.
+
+        Example: a row with a prediction that writes 87% of the output, a 215-token prompt
+        unread, reading at 0.04 steps a token and the model's rounds at 1.6x plain: over 512
+        tokens it would save 0.13 * 512 * (1 - 1 / 1.6) = 25 steps for 8.6 + 0.87 * 512 * 0.04
+        = 26 steps of reading, so it does not catch up; drafting alone it would (192 steps
+        saved against 8.6).
 
         batch_margin: the row is one of a batch, `prices` the whole batch's, and the batch
         drafts only above this speedup (`theory.batch_optimal_k`). Its draft model is then
@@ -265,8 +275,9 @@ class AdaptiveK:
             return False
         rate = expected_speedup(gamma, k, prices.draft_step, prices.v(k + 1))
         horizon = min(remaining, self.config.catch_up_horizon)
-        saved = self.model_rounds.gamma * horizon * (1.0 - 1.0 / rate)
-        return saved > prices.catch_up(lag)
+        share = self.model_rounds.gamma
+        saved = share * horizon * (1.0 - 1.0 / rate)
+        return saved > prices.catch_up(lag) + prices.catch_up(1) * (1.0 - share) * horizon
 
     def tree_size(self, prices: CostModel | None, scores: torch.Tensor, depth: int = 1) -> int:
         """The n maximising (1 + a * sum of the n likeliest tokens' probabilities) / v(n + 1):
