@@ -76,6 +76,8 @@ def test_a_library_is_built_once_and_a_failed_build_falls_back(tmp_path, monkeyp
     with caplog.at_level(logging.WARNING, logger="verispec"):
         assert kernel_build.build_library("bad", bad, ["-O1"], "a broken library") is None
     assert "a broken library: could not build" in caplog.text
+    # the log names the compiler's error, not the build tool's last word
+    assert "bad.cpp:1" in caplog.text and "error:" in caplog.text
 
 
 def test_nothing_is_built_when_the_kernels_are_off(monkeypatch):
@@ -108,3 +110,15 @@ def test_a_lock_left_by_a_killed_load_does_not_stop_the_next(tmp_path):
                                             "VERISPEC_KERNELS": module.path})
     assert done.returncode == 0, done.stderr
     assert not (folder / "lock").exists()
+
+
+def test_a_failed_build_is_reported_by_its_first_compiler_error():
+    ninja = RuntimeError("Error building extension 'k': [1/2] c++ -c a.cpp -o a.o\n"
+                         "FAILED: a.o\n"
+                         "/src/a.h:94: Error: bad register name `%tmmkB'\n"
+                         "/src/a.h:95: Error: bad register name `%tmmkA'\n"
+                         "ninja: build stopped: subcommand failed.")
+    assert kernel_build._build_error(ninja) == "/src/a.h:94: Error: bad register name `%tmmkB'"
+    # nothing a compiler printed: the last line, or the error's kind
+    assert kernel_build._build_error(OSError("no such file: ninja")) == "no such file: ninja"
+    assert kernel_build._build_error(RuntimeError("")) == "RuntimeError"

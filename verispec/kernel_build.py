@@ -28,6 +28,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -102,9 +103,18 @@ def build_key(files: list[Path], flags: list[str], compiler: str, extra: str = "
     return digest.hexdigest()[:12]
 
 
-def _last_line(err: Exception) -> str:
+# A compiler's or assembler's message line: "file:line[:column]: [fatal] error: ..."
+_COMPILER_ERROR = re.compile(r":\d+(?::\d+)?: (?:fatal )?error:", re.IGNORECASE)
+
+
+def _build_error(err: Exception) -> str:
+    """What a failed build says went wrong: the compiler's first error where it printed one
+    (a build tool's own last line, "ninja: build stopped", says nothing), else the last line."""
     detail = (getattr(err, "stderr", None) or str(err)).strip()
-    return detail.splitlines()[-1] if detail else type(err).__name__
+    if not detail:
+        return type(err).__name__
+    lines = detail.splitlines()
+    return next((line.strip() for line in lines if _COMPILER_ERROR.search(line)), lines[-1])
 
 
 def build_extension(name: str, sources: list[Path], headers: list[Path], cflags: list[str],
@@ -133,7 +143,7 @@ def build_extension(name: str, sources: list[Path], headers: list[Path], cflags:
                                         build_directory=str(folder), extra_cflags=cflags,
                                         extra_ldflags=["-lgomp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the caller falls back
-        log.warning("%s: could not build (%s); PyTorch runs instead", what, _last_line(err))
+        log.warning("%s: could not build (%s); PyTorch runs instead", what, _build_error(err))
         return None
     if time.perf_counter() - began > 2:
         log.info("%s: built in %.0f s", what, time.perf_counter() - began)
@@ -187,5 +197,5 @@ def build_library(name: str, source: Path, flags: list[str], what: str) -> ctype
                 os.replace(built, library)
         return ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as err:
-        log.warning("%s: could not build (%s); PyTorch runs instead", what, _last_line(err))
+        log.warning("%s: could not build (%s); PyTorch runs instead", what, _build_error(err))
         return None
