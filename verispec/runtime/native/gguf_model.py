@@ -126,7 +126,7 @@ class GGUFLlama(NativeLlama):
                                         down=projection(layer.down))
                     for layer in self.layers],
             cos=self.cos.float().contiguous(), sin=self.sin.float().contiguous(),
-            final_norm=self.final_norm.float().contiguous() if in_pass else torch.empty(0),
+            final_norm=self.final_norm.float().contiguous() if in_pass else None,
             head=projection(head) if in_pass else [])
 
     # a prompt pass attends as short passes would, where the probe allows (class doc)

@@ -236,12 +236,9 @@ class NativeLlama:
             keys=[row.cache.keys for row in rows], values=[row.cache.values for row in rows],
             starts=[row.start for row in rows], lengths=lengths, tree_bases=bases,
             path_slots=slots, path_offsets=offsets)
-        if logits is None:
-            self.kernels.forward_layers(x, decoder=self.fused, rows=batch, taps=taps,
-                                        tap_layers=tap_layers)
-        else:
-            self.kernels.forward_layers(x, decoder=self.fused, rows=batch, taps=taps,
-                                        tap_layers=tap_layers, wanted=wanted, logits=logits)
+        head = {} if logits is None else {"wanted": wanted, "logits": logits}  # bf16: none
+        self.kernels.forward_layers(x, decoder=self.fused, rows=batch, taps=taps,
+                                    tap_layers=tap_layers, **head)
         return x
 
     def _torch_layers(self, rows: list[RowPass], lengths: list[int],
