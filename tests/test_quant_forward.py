@@ -133,7 +133,9 @@ def test_a_positions_bits_do_not_depend_on_the_pass(tiny_file, path):
     assert torch.equal(rows[1], logits_in_passes(llama, IDS[:13], [13])[10:13])
 
 
-def test_one_and_two_threads_give_the_same_bits(tiny_file, path):
+def test_one_two_and_three_threads_give_the_same_bits(tiny_file, path):
+    # threads share a product's units unevenly (one that finishes early takes the others'),
+    # and split a lone position's SwiGLU: neither may change a bit
     llama = native(tiny_file)
     threads = torch.get_num_threads()
     try:
@@ -141,9 +143,12 @@ def test_one_and_two_threads_give_the_same_bits(tiny_file, path):
         alone = logits_in_passes(llama, IDS, [20, 1, 27])
         torch.set_num_threads(2)
         two = logits_in_passes(llama, IDS, [20, 1, 27])
+        torch.set_num_threads(3)
+        three = logits_in_passes(llama, IDS, [1, 1, 20, 26])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, two)
+    assert torch.equal(alone, three)
 
 
 def test_a_tree_node_gets_the_chain_bits(tiny_file, path):

@@ -90,10 +90,14 @@ inline float quantize_block_lanes(const float* x, int8_t* codes, int32_t half_su
 }
 
 // x[0 .. K) into codes[0 .. padded), scales[0 .. padded / 32), sums[0 .. padded / 16); with
-// b16 and s32, panels.h's panel_sums too (the same values, from the same pass).
+// b16 and s32, panels.h's panel_sums too (the same values, from the same pass). Each block is
+// quantised alone, so blocks first_block..last_block-1 (all of them by default) may be done
+// apart, by another thread, with the same bits.
 inline void quantize_row(const float* x, int64_t K, int64_t padded, int8_t* codes, float* scales,
-                         float* sums, int32_t* b16 = nullptr, float* s32 = nullptr) {
-  for (int64_t b = 0; b < padded / QK; b++) {
+                         float* sums, int32_t* b16 = nullptr, float* s32 = nullptr,
+                         int64_t first_block = 0, int64_t last_block = -1) {
+  if (last_block < 0) last_block = padded / QK;
+  for (int64_t b = first_block; b < last_block; b++) {
     const int64_t first = b * QK, count = first >= K ? 0 : (K - first < QK ? K - first : QK);
     int32_t half_sums[2];
     const float d = count == QK ? quantize_block_lanes(x + first, codes + first, half_sums)

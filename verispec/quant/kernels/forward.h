@@ -16,10 +16,12 @@
 // threads (tests/test_quant_forward.py).
 //
 // Threads: one OpenMP team for the whole pass; each phase splits its work (rows, 16-output
-// units of the products, attention tasks) statically over the threads and ends at the team's
-// own barrier, which spins briefly and then yields its core: on a busy machine a thread waiting
-// for one the OS has not scheduled gives way to it instead of spinning out its time slice
-// (OpenMP's barriers spin for long, and a pass has ~10 of them a layer).
+// units of the products, attention tasks) over the threads: a product's units statically, a
+// thread that finishes its share early then taking what is left of the others'; a lone
+// position's SwiGLU by blocks. Each phase ends at the team's own barrier, which spins briefly
+// and then yields its core: on a busy machine a thread waiting for one the OS has not
+// scheduled gives way to it instead of spinning out its time slice (OpenMP's barriers spin
+// for long, and a pass has ~10 of them a layer).
 
 #pragma once
 
@@ -169,10 +171,11 @@ struct QuantisedRows {
         sums(rows * padded / 16), s32(rows * padded / QK), b16(rows * padded / 16) {}
   Activations view() const { return {codes.data(), scales.data(), sums.data(), padded}; }
   PanelSums panel_sums_view() const { return {s32.data(), b16.data()}; }
-  void quantise(const float* x, int64_t K, int64_t row) {
+  // row's blocks first..last-1 (all of them by default); x: the row's values from its first
+  void quantise(const float* x, int64_t K, int64_t row, int64_t first = 0, int64_t last = -1) {
     quantize_row(x, K, padded, codes.data() + row * padded, scales.data() + row * (padded / QK),
                  sums.data() + row * (padded / 16), b16.data() + row * (padded / 16),
-                 s32.data() + row * (padded / QK));
+                 s32.data() + row * (padded / QK), first, last);
   }
 };
 
@@ -265,16 +268,55 @@ class Team {
   std::atomic<int> threads_{1}, arrived_{0}, generation_{0};
 };
 
-// y [rows, N] = x . projection^T inside the pass's team: each thread its static share of the
-// units, then the barrier.
+// One thread's share of a product's units, which the other threads may help finish: its owner
+// takes chunks from the front, a thread done with its own share takes them from the back (both
+// ends in one word, so every unit is taken once). Which thread multiplies a unit never changes
+// its outputs, only how long the phase waits for its slowest thread (on a shared VM one core is
+// often a few percent slower than the other, and a static split waited out the difference).
+class Share {
+ public:
+  void set(int64_t first, int64_t last) {
+    ends_.store(uint64_t(first) << 32 | uint64_t(last), std::memory_order_relaxed);
+  }
+  // Up to `chunk` units [first, last) from the front or the back; first == last when none is left.
+  std::pair<int64_t, int64_t> take(int64_t chunk, bool from_back) {
+    uint64_t ends = ends_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = int64_t(ends >> 32), back = int64_t(ends & 0xffffffffu);
+      if (front >= back) return {0, 0};
+      const int64_t first = from_back ? std::max(front, back - chunk) : front;
+      const int64_t last = from_back ? back : std::min(back, front + chunk);
+      const uint64_t rest = from_back ? uint64_t(front) << 32 | uint64_t(first)
+                                      : uint64_t(last) << 32 | uint64_t(back);
+      if (ends_.compare_exchange_weak(ends, rest, std::memory_order_relaxed)) return {first, last};
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<uint64_t> ends_{0};
+};
+
+// Units a thread takes at a time: few enough that the last ones even out the threads' finish.
+constexpr int64_t UNITS_PER_TAKE = 2;
+
+// y [rows, N] = x . projection^T inside the pass's team: each thread its own share of the units
+// (shares[me.thread], set to the static split before the phase), then what is left of the
+// others' shares, then the barrier.
 inline void product(const Team::Member& me, const Projection& projection,
                     const std::vector<Unit>& units, const QuantisedRows& x, int64_t rows,
-                    float* y) {
+                    float* y, Share* shares) {
   const int64_t ldy = out_features(projection);
-  const auto [first, last] = me.share(int64_t(units.size()));
-  for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
-    for (int64_t u = first; u < last; u++)
-      multiply_unit(projection, units[u], x, r0, std::min(rows, r0 + ROW_BLOCK), y, ldy);
+  const auto multiply = [&](std::pair<int64_t, int64_t> taken) {
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
+      for (int64_t u = taken.first; u < taken.second; u++)
+        multiply_unit(projection, units[u], x, r0, std::min(rows, r0 + ROW_BLOCK), y, ldy);
+  };
+  for (int64_t other = 0; other < me.threads; other++) {
+    Share& share = shares[(me.thread + other) % me.threads];
+    for (auto taken = share.take(UNITS_PER_TAKE, other > 0); taken.first < taken.second;
+         taken = share.take(UNITS_PER_TAKE, other > 0))
+      multiply(taken);
+  }
   me.wait();
 }
 
@@ -541,6 +583,12 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
   };
 
   Team team;
+  // every product's shares, one a thread (the layers' four products, then the head's)
+  const int64_t num_products = num_layers * 4 + 1;
+  std::vector<Share> shares(num_products * std::max(1, at::get_num_threads()));
+  const auto product_units = [&](int64_t p) -> const std::vector<Unit>& {
+    return p < num_layers * 4 ? units[p % 4][p / 4] : head_units;
+  };
   // attention tasks are taken in turn (rows attend over caches of different lengths): one
   // counter a layer
   std::vector<std::atomic<int64_t>> next_task(num_layers);
@@ -550,6 +598,12 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
     // the team OpenMP gave (one thread where the pass is called inside another team)
     team.join(omp_get_num_threads());
     const Team::Member me{team, omp_get_thread_num(), omp_get_num_threads()};
+    Share* const share = shares.data();  // product p's: share + p * me.threads
+    for (int64_t p = 0; p < num_products; p++) {
+      const auto [first, last] = me.share(int64_t(product_units(p).size()));
+      share[p * me.threads + me.thread].set(first, last);
+    }
+    me.wait();
     std::vector<float> scores(scratch_size);
     const auto [i0, i1] = me.share(n);  // this thread's positions in the per-position phases
     for (int64_t layer = 0; layer < num_layers; layer++) {
@@ -564,7 +618,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       }
       me.wait();
       // 2. Fused q/k/v (rotary order, bias added).
-      product(me, w.qkv, units[0][layer], by_hidden, n, qkv.data());
+      product(me, w.qkv, units[0][layer], by_hidden, n, qkv.data(), share + (layer * 4) * me.threads);
       // 3. Rotary on q and k; keys and values into each row's cache.
       for (int64_t i = i0; i < i1; i++) {
         float* at = &qkv[i * qkv_width];
@@ -599,7 +653,8 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       for (int64_t i = i0; i < i1; i++) by_heads.quantise(&attended[i * q_width], q_width, i);
       me.wait();
       // 5. Output projection onto the residual stream; the MLP norm.
-      product(me, w.out, units[1][layer], by_heads, n, y.data());
+      product(me, w.out, units[1][layer], by_heads, n, y.data(),
+              share + (layer * 4 + 1) * me.threads);
       for (int64_t i = i0; i < i1; i++) {
         float* row = hidden + i * h;
         for (int64_t k = 0; k < h; k += LANES) store_lanes(row + k, load_lanes(row + k) + load_lanes(&y[i * h + k]));
@@ -608,14 +663,22 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       }
       me.wait();
       // 6. SwiGLU MLP; its residual joins at the next layer's step 1.
-      product(me, w.gate_up, units[2][layer], by_hidden, n, gate_up.data());
-      for (int64_t i = i0; i < i1; i++) {
-        swiglu_row(&gate_up[i * 2 * inter], &gate_up[i * 2 * inter + inter], inter,
-                   &act[i * inter]);
-        by_inter.quantise(&act[i * inter], inter, i);
+      product(me, w.gate_up, units[2][layer], by_hidden, n, gate_up.data(),
+              share + (layer * 4 + 2) * me.threads);
+      // (with fewer positions than threads, each position's blocks are split over the threads)
+      const int64_t slices = n < me.threads ? me.threads : 1, blocks = by_inter.padded / QK;
+      const auto [s0, s1] = me.share(n * slices);
+      for (int64_t item = s0; item < s1; item++) {
+        const int64_t i = item / slices, slice = item % slices;
+        const int64_t b0 = blocks * slice / slices, b1 = blocks * (slice + 1) / slices;
+        const int64_t e0 = std::min(inter, b0 * QK), e1 = std::min(inter, b1 * QK);
+        swiglu_row(&gate_up[i * 2 * inter + e0], &gate_up[i * 2 * inter + inter + e0], e1 - e0,
+                   &act[i * inter + e0]);
+        by_inter.quantise(&act[i * inter], inter, i, b0, b1);
       }
       me.wait();
-      product(me, w.down, units[3][layer], by_inter, n, y.data());
+      product(me, w.down, units[3][layer], by_inter, n, y.data(),
+              share + (layer * 4 + 3) * me.threads);
     }
     for (int64_t i = i0; i < i1; i++) finish_layer(i, num_layers);
     // 7. The wanted positions' final norm and head.
@@ -628,7 +691,8 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
         by_final.quantise(&final_normed[j * h], h, j);
       }
       me.wait();
-      product(me, decoder.head, head_units, by_final, num_wanted, logits.data_ptr<float>());
+      product(me, decoder.head, head_units, by_final, num_wanted, logits.data_ptr<float>(),
+              share + num_layers * 4 * me.threads);
     }
   }
 }
