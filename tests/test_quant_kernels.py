@@ -240,6 +240,35 @@ def test_activations_are_quantised_as_documented(path):
     assert got[1][0, 0] == 1.0 and not np.array_equal(away.astype(np.int8), got[0][0, :32])
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_top_is_the_argmax_and_its_probability(path):
+    """A greedy draft step's choice and confidence (kernels/greedy.h) against torch's argmax
+    and softmax: ties go to the first index, -inf logits weigh nothing, a NaN wins as in
+    torch, and a row read with a stride (a cut head) is read where it lies."""
+    module = load_path(path)
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 1003, generator=generator) * torch.tensor([[0.1], [1], [3], [10], [30],
+                                                                     [1]])
+    rows[1, 700] = rows[1, 5] = rows[1].max() + 1.0  # a tie: the first index wins
+    rows[2, ::3] = float("-inf")
+    rows[5] = 0.0  # uniform: probability 1 / 1003
+    wide = torch.randn(2, 2000, generator=generator)
+    for logits in (rows, wide[:, :1500]):
+        index, probability = module.greedy_top(logits)
+        assert torch.equal(index, logits.argmax(-1))
+        want = torch.softmax(logits.double(), -1).max(-1).values.float()
+        torch.testing.assert_close(probability, want, rtol=2e-6, atol=0)
+    # a negative control: the second largest's probability is not the top's
+    second = torch.softmax(rows[3].double(), -1).sort(descending=True).values[1]
+    assert abs(float(module.greedy_top(rows[3:4])[1]) - float(second)) > 1e-3
+    broken = rows[:1].clone()
+    broken[0, 9] = float("nan")
+    index, probability = module.greedy_top(broken)
+    assert int(index) == int(broken.argmax(-1)) == 9 and bool(probability.isnan())
+    with pytest.raises(RuntimeError, match="float32"):
+        module.greedy_top(rows.double())
+
+
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "scalar"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_path_gives_the_portable_paths_bits(path, qtype):

@@ -30,6 +30,9 @@ class ModelDrafter:
         self.runner = model if isinstance(model, Runner) else HFRunner(model)
         self.target_vocab_size = target_vocab_size
         self.head_token_ids = None if head_token_ids is None else head_token_ids.long()
+        # the runner's quantised kernels' greedy_top, where it has them (kernels/greedy.h)
+        kernels = getattr(getattr(self.runner, "model", None), "kernels", None)
+        self._kernel_top = getattr(kernels, "greedy_top", None)
 
     def reset(self) -> None:
         self.runner.reset()
@@ -68,6 +71,19 @@ class ModelDrafter:
         if self.head_token_ids is None and logits.shape[-1] > self.target_vocab_size:
             return logits[..., : self.target_vocab_size]
         return logits
+
+    def _greedy_top(self, head_logits: torch.Tensor, sure: bool) -> tuple[torch.Tensor, float]:
+        """A greedy step's choice over `_fit_head`'s logits [1, W]: the target's token id [1]
+        of the first largest, and (when `sure`, else NaN) the draft's probability of it."""
+        if self._kernel_top is not None and head_logits.dtype == torch.float32 \
+                and head_logits.device.type == "cpu" and head_logits.stride(-1) == 1:
+            index, probability = self._kernel_top(head_logits)
+            return self._token_ids(index), float(probability[0])
+        index = greedy_tokens(head_logits)
+        if not sure:
+            return self._token_ids(index), float("nan")
+        row = head_logits[0].float()
+        return self._token_ids(index), float((row.max() - torch.logsumexp(row, -1)).exp())
 
     def _token_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """Indices into `_fit_head`'s logits -> the target's token ids (on the CPU)."""
@@ -119,13 +135,10 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
             if params[i].greedy:
                 # the argmax over the draft's own head [1, W], then its token id: the target's
                 # vocabulary [1, V] (-inf outside the head) is only built for a distribution
-                head_logits = drafters[i]._fit_head(row_logits)  # [1, W]
-                token = drafters[i]._token_ids(greedy_tokens(head_logits))  # [1]
                 cut = None if cuts is None else cuts[i]
+                token, sure = drafters[i]._greedy_top(drafters[i]._fit_head(row_logits),
+                                                      cut is not None)
                 if cut is not None:  # 3. a chain the drafter is no longer sure of stops
-                    row = head_logits[0].float()  # its top token's probability
-                    top = row.max()
-                    sure = float((top - torch.logsumexp(row, -1)).exp())
                     confidence[i].append(sure * (confidence[i][-1] if confidence[i] else 1.0))
                     if not cut.keeps(confidence[i]):
                         ks[i] = step

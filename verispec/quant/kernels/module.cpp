@@ -6,6 +6,7 @@
 #include "activations.h"
 #include "dequantize.h"
 #include "forward.h"
+#include "greedy.h"
 #include "rows.h"
 
 #include <ATen/Parallel.h>
@@ -221,6 +222,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           vq::prefetch_far() = far;
         }, "how panel kernels fetch blocks ahead (panels.h): into L1 for a lone row too, and "
         "into L2 `far` blocks ahead (0: not)", pybind11::arg("lone_row"), pybind11::arg("far"));
+  m.def("greedy_top", [](const torch::Tensor& logits) {
+          TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 &&
+                      logits.stride(1) == 1, "logits: [rows, V] float32, rows contiguous");
+          const int64_t rows = logits.size(0), width = logits.size(1);
+          auto indices = torch::empty({rows}, torch::kInt64);
+          auto probs = torch::empty({rows}, torch::kFloat32);
+          for (int64_t r = 0; r < rows; r++) {
+            const auto [index, prob] =
+                vq::greedy_top(logits.data_ptr<float>() + r * logits.stride(0), width);
+            indices.data_ptr<int64_t>()[r] = index;
+            probs.data_ptr<float>()[r] = prob;
+          }
+          return std::make_pair(indices, probs);
+        }, "each row's first largest logit's index and its softmax probability (greedy.h)",
+        pybind11::arg("logits"));
   m.def("panel_types", [] {
     std::vector<int64_t> types;
     for (int t : vq::kPanelTypes)
