@@ -189,9 +189,10 @@ def get_rows(weight: torch.Tensor, qtype, ids: torch.Tensor) -> torch.Tensor:
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"ids must be integers; got {ids.dtype}")
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.shape[0]):
-        raise ValueError(f"ids must lie in [0, {weight.shape[0]}); got {int(flat.min())} .. "
-                         f"{int(flat.max())}")
+    values = flat.cpu().numpy()  # (NumPy's min and max: no torch reductions a pass)
+    if values.size and (values.min() < 0 or values.max() >= weight.shape[0]):
+        raise ValueError(f"ids must lie in [0, {weight.shape[0]}); got {values.min()} .. "
+                         f"{values.max()}")
     module = _active()[1]
     if module is None:
         rows = dequantize(weight[flat], qtype)

@@ -188,8 +188,10 @@ class NativeLlama:
         for row, length in zip(rows, lengths, strict=True):
             row.cache.reserve(row.start + length)
         paths = [row.paths() for row in rows]  # per row: None, or each slot's tree path
-        if inputs is None:
-            inputs = self.embed[torch.cat([row.ids for row in rows]).to(self.device)]
+        own_inputs = inputs is None  # a fresh tensor the pass may update in place
+        if own_inputs:
+            ids = rows[0].ids if len(rows) == 1 else torch.cat([row.ids for row in rows])
+            inputs = self.embed[ids.to(self.device)]
         x = inputs  # [N, H]
         # The pass keeps the hidden states after every layer some row's cache taps.
         tap_layers = list(dict.fromkeys(tap for row in rows for tap in row.cache.tap_layers))
@@ -203,7 +205,8 @@ class NativeLlama:
             # the head in the same call where the kernels' decoder has it (logits [sum, V])
             if getattr(self.fused, "has_head", False) and wanted:
                 logits = torch.empty(len(wanted), self.lm_head.out_features)
-            x = self._fused_layers(rows, lengths, paths, x, tap_layers, taps, wanted, logits)
+            x = self._fused_layers(rows, lengths, paths, x if own_inputs else x.clone(),
+                                   tap_layers, taps, wanted, logits)
         else:
             x = self._torch_layers(rows, lengths, paths, x, tap_layers, taps)
         for row, length, end in zip(rows, lengths, ends, strict=True):
@@ -214,7 +217,7 @@ class NativeLlama:
         # The head, only for the positions whose logits are wanted.
         if logits is None:
             logits = self.lm_head(self._norm(x[wanted], self.final_norm)).float()  # [sum, V]
-        return list(logits.split([row.num_logits for row in rows]))
+        return [logits] if len(rows) == 1 else list(logits.split([row.num_logits for row in rows]))
 
     def _fused_layers(self, rows: list[RowPass], lengths: list[int],
                       paths: list[list[list[int]] | None], x: torch.Tensor,
@@ -223,8 +226,8 @@ class NativeLlama:
         """Every decoder layer in one C++ call (kernels.cpp): x [N, H] -> [N, H], the tapped
         hidden states into taps [N, n, H]. Tree rows pass each slot's path, flattened. With
         logits [len(wanted), V] (a decoder that has its head), the wanted positions' logits
-        are written there by the same call."""
-        x = x.contiguous().clone()  # updated in place
+        are written there by the same call. x is updated in place (the caller's to give)."""
+        x = x.contiguous()
         bases, slots, offsets = [], [], [0]  # offsets [N + 1] into slots, when any row is a tree
         if any(row_paths is not None for row_paths in paths):
             for row, length, row_paths in zip(rows, lengths, paths, strict=True):
