@@ -11,12 +11,14 @@ import torch
 from test_gguf import K_LAYER_TYPES, write_tiny_gguf
 
 from verispec import SamplingParams, SpeculativeDecoder
+from verispec.drafters.model import ModelDrafter
 from verispec.quant import quant_kernels
 from verispec.quant.gguf import read
 from verispec.quant.quantized_model import GGUFModel
 from verispec.runtime.native import gguf_model
 from verispec.runtime.native.cache import TreeLinks
 from verispec.runtime.native.llama import RowPass
+from verispec.runtime.native.native_runner import NativeRunner
 
 IDS = torch.randint(0, 94, (48,), generator=torch.Generator().manual_seed(3))
 
@@ -115,6 +117,39 @@ def test_the_head_runs_in_the_pass(tiny_file, path):
                                      decoder=llama.fused, rows=rows, taps=torch.empty(0),
                                      tap_layers=[], wanted=[1],
                                      logits=torch.empty(1, llama.lm_head.out_features))
+
+
+def test_a_greedy_step_is_the_pass_and_its_argmax(tiny_file, path):
+    """NativeRunner.greedy_step (embedding, layers, head and argmax in one C++ call) gives the
+    logits, features and cache a pass gives, the first largest logit and its softmax
+    probability; it declines, changing nothing, where the cache does not hold all but the last
+    token."""
+    stepped, passed = NativeRunner(native(tiny_file)), NativeRunner(native(tiny_file))
+    stepped.logits(IDS[:30], 1)
+    passed.logits(IDS[:30], 1)
+    for end in range(31, 36):
+        logits, index, probability = stepped.greedy_step(IDS[:end])
+        want = passed.logits(IDS[:end], 1)
+        assert torch.equal(logits, want)
+        assert index == int(want.argmax()) and stepped.cached_length == end
+        assert probability == pytest.approx(float(torch.softmax(want.double(), -1).max()),
+                                            rel=1e-5)
+        assert torch.equal(stepped.cache.features[:end], passed.cache.features[:end])
+    # declined: a history that parts from the cache, or two tokens past it
+    other = IDS[:36].clone()
+    other[3] = (other[3] + 1) % 94
+    for ids in (other, IDS[:37]):
+        assert stepped.greedy_step(ids) is None and stepped.cached_length == 35
+    # a draft model proposes the same chain either way (steps 2-5 take greedy_step)
+    runner = NativeRunner(native(tiny_file))
+    drafter, steps = ModelDrafter(runner, runner.vocab_size), []
+    step = runner.greedy_step
+    runner.greedy_step = lambda ids: steps.append(step(ids)) or steps[-1]
+    fast = drafter.propose(IDS[:30], 5, SamplingParams(), None).tokens
+    assert len(steps) == 5 and sum(result is not None for result in steps) == 4
+    runner.greedy_step = lambda ids: None
+    drafter.reset()
+    assert torch.equal(drafter.propose(IDS[:30], 5, SamplingParams(), None).tokens, fast)
 
 
 def test_a_positions_bits_do_not_depend_on_the_pass(tiny_file, path):

@@ -85,6 +85,20 @@ class ModelDrafter:
         row = head_logits[0].float()
         return self._token_ids(index), float((row.max() - torch.logsumexp(row, -1)).exp())
 
+    def _lone_greedy_step(self, history: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """A greedy step after history [L] in one call where the runner can take it (its cache
+        holds all of history but the last token, `NativeRunner.greedy_step`): the token id [1]
+        and the draft's probability of it; None otherwise."""
+        step = getattr(self.runner, "greedy_step", None)
+        if step is None or (self.head_token_ids is None
+                            and self.runner.vocab_size > self.target_vocab_size):
+            return None  # (a head wider than the target's vocabulary: `_fit_head` cuts it)
+        result = step(history)
+        if result is None:
+            return None
+        _, index, probability = result
+        return self._token_ids(torch.tensor([index])), probability
+
     def _token_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """Indices into `_fit_head`'s logits -> the target's token ids (on the CPU)."""
         positions = positions.cpu()
@@ -127,17 +141,20 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
         rows = [i for i, k in enumerate(ks) if k > step]
         if not rows:
             break
-        # 1. Next-token logits of each drafting row, on the target's vocabulary.
-        logits = batched_logits([drafters[i].runner for i in rows],
-                                [sequences[i] for i in rows], [1] * len(rows))
+        # 1. Next-token logits of each drafting row, on the target's vocabulary (a lone greedy
+        # row's step and choice in one call where its runner can: no logits needed here).
+        lone = drafters[rows[0]]._lone_greedy_step(sequences[rows[0]]) \
+            if len(rows) == 1 and params[rows[0]].greedy else None
+        logits = [None] if lone is not None else batched_logits(
+            [drafters[i].runner for i in rows], [sequences[i] for i in rows], [1] * len(rows))
         # 2. Each row draws (or takes the argmax) and extends its sequence.
         for i, row_logits in zip(rows, logits, strict=True):
             if params[i].greedy:
                 # the argmax over the draft's own head [1, W], then its token id: the target's
                 # vocabulary [1, V] (-inf outside the head) is only built for a distribution
                 cut = None if cuts is None else cuts[i]
-                token, sure = drafters[i]._greedy_top(drafters[i]._fit_head(row_logits),
-                                                      cut is not None)
+                token, sure = lone if lone is not None else drafters[i]._greedy_top(
+                    drafters[i]._fit_head(row_logits), cut is not None)
                 if cut is not None:  # 3. a chain the drafter is no longer sure of stops
                     confidence[i].append(sure * (confidence[i][-1] if confidence[i] else 1.0))
                     if not cut.keeps(confidence[i]):

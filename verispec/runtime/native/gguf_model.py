@@ -129,6 +129,29 @@ class GGUFLlama(NativeLlama):
             final_norm=self.final_norm.float().contiguous() if in_pass else None,
             head=projection(head) if in_pass else [])
 
+    @torch.inference_mode()
+    def greedy_step(self, cache, start: int, token: int) -> tuple[torch.Tensor, int, float] | None:
+        """A lone position's pass at slot `start` of `cache` (which holds the slots before it)
+        for token `token`, and its greedy choice, in one C++ call (module.cpp's greedy_step):
+        (logits [1, V], the first largest's index, its probability), with the position's last
+        hidden state in cache.features as forward_rows leaves it. None where the kernels'
+        decoder has no head, the embedding is not quantised or the cache keeps taps (the
+        caller runs forward_rows)."""
+        step = getattr(self.kernels, "greedy_step", None)
+        embed = self.embed
+        if step is None or self.fused is None or not self.fused.has_head or cache.tap_layers \
+                or not getattr(embed, "quantized", False):
+            return None
+        cache.reserve(start + 1)
+        if cache.features.dtype != torch.float32:
+            return None
+        logits = torch.empty(1, self.lm_head.out_features)
+        index, probability = step(decoder=self.fused, embedding=embed.data,
+                                  embedding_type=int(embed.qtype), token=token,
+                                  x=cache.features[start:start + 1], keys=cache.keys,
+                                  values=cache.values, start=start, logits=logits)
+        return logits, index, probability
+
     # a prompt pass attends as short passes would, where the probe allows (class doc)
     plan_prompts = True
 
