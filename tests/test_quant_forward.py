@@ -11,7 +11,8 @@ import torch
 from test_gguf import K_LAYER_TYPES, write_tiny_gguf
 
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.drafters.model import ModelDrafter
+from verispec.drafters.drafter import ChainCut
+from verispec.drafters.model import ModelDrafter, propose_together
 from verispec.quant import quant_kernels
 from verispec.quant.gguf import read
 from verispec.quant.quantized_model import GGUFModel
@@ -119,37 +120,56 @@ def test_the_head_runs_in_the_pass(tiny_file, path):
                                      logits=torch.empty(1, llama.lm_head.out_features))
 
 
-def test_a_greedy_step_is_the_pass_and_its_argmax(tiny_file, path):
-    """NativeRunner.greedy_step (embedding, layers, head and argmax in one C++ call) gives the
-    logits, features and cache a pass gives, the first largest logit and its softmax
-    probability; it declines, changing nothing, where the cache does not hold all but the last
-    token."""
-    stepped, passed = NativeRunner(native(tiny_file)), NativeRunner(native(tiny_file))
-    stepped.logits(IDS[:30], 1)
+def test_a_greedy_chain_is_the_passes_and_their_argmax(tiny_file, path):
+    """NativeRunner.greedy_chain (embedding, layers, head and argmax a step, in one C++ call)
+    leaves the cache, features and chain that passes and their argmax give, with each token's
+    cumulative softmax probability; it declines, changing nothing, where the cache does not
+    hold all of the history but its last token."""
+    chained, passed = NativeRunner(native(tiny_file)), NativeRunner(native(tiny_file))
+    chained.logits(IDS[:30], 1)
+    tokens, cumulative = chained.greedy_chain(IDS[:31], 5)
+    ids, want, product = IDS[:31], [], 1.0
     passed.logits(IDS[:30], 1)
-    for end in range(31, 36):
-        logits, index, probability = stepped.greedy_step(IDS[:end])
-        want = passed.logits(IDS[:end], 1)
-        assert torch.equal(logits, want)
-        assert index == int(want.argmax()) and stepped.cached_length == end
-        assert probability == pytest.approx(float(torch.softmax(want.double(), -1).max()),
-                                            rel=1e-5)
-        assert torch.equal(stepped.cache.features[:end], passed.cache.features[:end])
+    for _ in range(5):
+        logits = passed.logits(ids, 1)[0]
+        want.append(int(logits.argmax()))
+        product *= float(torch.softmax(logits.double(), -1).max())
+        assert cumulative[len(want) - 1] == pytest.approx(product, rel=1e-5)
+        ids = torch.cat([ids, torch.tensor(want[-1:])])
+    assert tokens == want and chained.cached_length == 35
+    assert torch.equal(chained.cache.features[:35], passed.cache.features[:35])
+    assert torch.equal(chained.logits(ids, 1), passed.logits(ids, 1))  # the same cache
     # declined: a history that parts from the cache, or two tokens past it
-    other = IDS[:36].clone()
+    other = torch.cat([ids, ids[:1]])
     other[3] = (other[3] + 1) % 94
-    for ids in (other, IDS[:37]):
-        assert stepped.greedy_step(ids) is None and stepped.cached_length == 35
-    # a draft model proposes the same chain either way (steps 2-5 take greedy_step)
+    for history in (other, torch.cat([ids, ids[:2]])):
+        assert chained.greedy_chain(history, 3) is None and chained.cached_length == 36
+
+
+def test_a_draft_chain_is_cut_where_chain_cut_says(tiny_file, path):
+    """The chain in one call stops where ChainCut stops the step-by-step loop, for prices from
+    free (never cut: all 8 tokens) to dear, and proposes the same tokens."""
     runner = NativeRunner(native(tiny_file))
-    drafter, steps = ModelDrafter(runner, runner.vocab_size), []
-    step = runner.greedy_step
-    runner.greedy_step = lambda ids: steps.append(step(ids)) or steps[-1]
-    fast = drafter.propose(IDS[:30], 5, SamplingParams(), None).tokens
-    assert len(steps) == 5 and sum(result is not None for result in steps) == 4
-    runner.greedy_step = lambda ids: None
-    drafter.reset()
-    assert torch.equal(drafter.propose(IDS[:30], 5, SamplingParams(), None).tokens, fast)
+    drafter, chains = ModelDrafter(runner, runner.vocab_size), []
+    chain = runner.greedy_chain
+    runner.greedy_chain = lambda *args: chains.append(chain(*args)) or chains[-1]
+    lengths = set()
+    flat, gentle = (1.0,) * 9, tuple(1.0 + 0.001 * j for j in range(9))
+    steep = (1.0, 1.02, 1.05, 1.1, 1.3, 1.5, 1.9, 2.0, 2.4)
+    for c, curve in ((0.0, flat), (0.0, gentle), (0.002, gentle), (0.05, steep), (0.5, steep),
+                     (3.0, steep)):
+        cut = ChainCut(c, curve)
+        drafter.reset()
+        fast = propose_together([drafter], [IDS[:30]], [8], [SamplingParams()], [None], [cut])
+        runner.greedy_chain = lambda *args: None
+        drafter.reset()
+        slow = propose_together([drafter], [IDS[:30]], [8], [SamplingParams()], [None], [cut])
+        runner.greedy_chain = lambda *args: chains.append(chain(*args)) or chains[-1]
+        assert torch.equal(fast[0].tokens, slow[0].tokens), (c, curve)
+        lengths.add(len(fast[0].tokens))
+    # (a proposal's first step feeds the history: generic; the chain takes the rest)
+    assert sum(result is not None for result in chains) >= 3
+    assert len(lengths) > 1 and 8 in lengths  # the cuts moved the chain's end
 
 
 def test_a_positions_bits_do_not_depend_on_the_pass(tiny_file, path):

@@ -122,19 +122,27 @@ class ChainCut:
         step = curve[-1] - curve[-2] if len(curve) > 1 else 1.0
         return curve[-1] + step * (positions - len(curve))
 
+    def keep_prices(self, j: int) -> tuple[float, float]:
+        """(a, b): token j of a chain is kept where P_j a > (1 + P_0 + .. + P_{j-1}) b."""
+        c = self.draft_step
+        return j * c + self.v(j + 1) + c, self.v(j + 2) - self.v(j + 1)
+
+    def more_prices(self, j: int) -> tuple[float, float]:
+        """(a, b): after a kept token j the chain goes on where P_j a > (1 + P_0 + .. + P_j) b."""
+        c, m = self.draft_step, j + 1
+        return m * c + self.v(m + 1) + c, c + self.v(m + 2) - self.v(m + 1)
+
     def keeps(self, cumulative: list[float]) -> bool:
         """Whether the last token of a chain whose cumulative probabilities are `cumulative`
         ([P_0, .., P_j]) is worth verifying."""
-        j, c = len(cumulative) - 1, self.draft_step
-        expected, cost = 1.0 + sum(cumulative[:-1]), j * c + self.v(j + 1)
-        return cumulative[-1] * (cost + c) > expected * (self.v(j + 2) - self.v(j + 1))
+        a, b = self.keep_prices(len(cumulative) - 1)
+        return cumulative[-1] * a > (1.0 + sum(cumulative[:-1])) * b
 
     def goes_on(self, cumulative: list[float]) -> bool:
         """Whether to draft another token after a kept chain with these probabilities: one as
         likely as the last would still raise the rate for its draft step and position."""
-        j, c = len(cumulative), self.draft_step
-        expected, cost = 1.0 + sum(cumulative), j * c + self.v(j + 1)
-        return cumulative[-1] * (cost + c) > expected * (c + self.v(j + 2) - self.v(j + 1))
+        a, b = self.more_prices(len(cumulative) - 1)
+        return cumulative[-1] * a > (1.0 + sum(cumulative)) * b
 
 
 def empty_draft() -> Draft:

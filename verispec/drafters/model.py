@@ -85,19 +85,22 @@ class ModelDrafter:
         row = head_logits[0].float()
         return self._token_ids(index), float((row.max() - torch.logsumexp(row, -1)).exp())
 
-    def _lone_greedy_step(self, history: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-        """A greedy step after history [L] in one call where the runner can take it (its cache
-        holds all of history but the last token, `NativeRunner.greedy_step`): the token id [1]
-        and the draft's probability of it; None otherwise."""
-        step = getattr(self.runner, "greedy_step", None)
-        if step is None or (self.head_token_ids is None
-                            and self.runner.vocab_size > self.target_vocab_size):
+    def _greedy_chain(self, history: torch.Tensor, steps: int, cut: ChainCut | None,
+                      prior: list[float]) -> tuple[torch.Tensor, list[float]] | None:
+        """Up to `steps` greedy draft tokens after history [L] in one call, where the runner
+        can run the chain (its cache holds all of history but the last token,
+        `NativeRunner.greedy_chain`): the tokens [n] and their cumulative probabilities, cut
+        as `cut` decides after the chain's earlier P's `prior`; None otherwise."""
+        chain = getattr(self.runner, "greedy_chain", None)
+        if chain is None or (self.head_token_ids is None
+                             and self.runner.vocab_size > self.target_vocab_size):
             return None  # (a head wider than the target's vocabulary: `_fit_head` cuts it)
-        result = step(history)
+        ids = None if self.head_token_ids is None else self.head_token_ids.contiguous()
+        result = chain(history, steps, ids, cut, prior)
         if result is None:
             return None
-        _, index, probability = result
-        return self._token_ids(torch.tensor([index])), probability
+        tokens, cumulative = result
+        return torch.tensor(tokens, dtype=torch.long), cumulative
 
     def _token_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """Indices into `_fit_head`'s logits -> the target's token ids (on the CPU)."""
@@ -141,21 +144,27 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
         rows = [i for i, k in enumerate(ks) if k > step]
         if not rows:
             break
-        # 1. Next-token logits of each drafting row, on the target's vocabulary (a lone greedy
-        # row's step and choice in one call where its runner can: no logits needed here).
-        lone = drafters[rows[0]]._lone_greedy_step(sequences[rows[0]]) \
-            if len(rows) == 1 and params[rows[0]].greedy else None
-        logits = [None] if lone is not None else batched_logits(
-            [drafters[i].runner for i in rows], [sequences[i] for i in rows], [1] * len(rows))
-        # 2. Each row draws (or takes the argmax) and extends its sequence.
+        # 1. A lone greedy row: the rest of its chain in one call, where its runner can.
+        if len(rows) == 1 and params[rows[0]].greedy:
+            i = rows[0]
+            chain = drafters[i]._greedy_chain(sequences[i], ks[i] - step,
+                                              None if cuts is None else cuts[i], confidence[i])
+            if chain is not None:
+                if chain[0].numel():
+                    tokens[i].append(chain[0])
+                break
+        # 2. Next-token logits of each drafting row, on the target's vocabulary.
+        logits = batched_logits([drafters[i].runner for i in rows],
+                                [sequences[i] for i in rows], [1] * len(rows))
+        # 3. Each row draws (or takes the argmax) and extends its sequence.
         for i, row_logits in zip(rows, logits, strict=True):
             if params[i].greedy:
                 # the argmax over the draft's own head [1, W], then its token id: the target's
                 # vocabulary [1, V] (-inf outside the head) is only built for a distribution
                 cut = None if cuts is None else cuts[i]
-                token, sure = lone if lone is not None else drafters[i]._greedy_top(
-                    drafters[i]._fit_head(row_logits), cut is not None)
-                if cut is not None:  # 3. a chain the drafter is no longer sure of stops
+                token, sure = drafters[i]._greedy_top(drafters[i]._fit_head(row_logits),
+                                                      cut is not None)
+                if cut is not None:  # 4. a chain the drafter is no longer sure of stops
                     confidence[i].append(sure * (confidence[i][-1] if confidence[i] else 1.0))
                     if not cut.keeps(confidence[i]):
                         ks[i] = step

@@ -1,12 +1,16 @@
-// A greedy draft step's choice and how sure the draft is of it: over a row of logits, the first
-// index of the largest and its softmax probability 1 / sum_j e^(x_j - max) (ChainCut in
-// drafters/model.py stops a chain on the product of these). In C++ because the row arrives
-// from the pass with half its lines in the other core's cache: torch's argmax and logsumexp
-// read it a line at a time and wake torch's thread pool, ~0.4 ms a 65,536-logit draft row on
-// the 2-core Xeon, where this reads it once with prefetches and once from L2.
+// A greedy draft's choices. `greedy_top`: over a row of logits, the first index of the largest
+// and its softmax probability 1 / sum_j e^(x_j - max) (ChainCut, drafters/drafter.py, stops a
+// chain on the product of these). In C++ because the row arrives from the pass with half its
+// lines in the other core's cache: torch's argmax and logsumexp read it a line at a time and
+// wake torch's thread pool, ~0.4 ms a 65,536-logit draft row on the 2-core Xeon, where this
+// reads it once with prefetches and once from L2. `greedy_chain`: a lone row's whole chain,
+// step after step, in one call (the Python between two passes costs ~0.5 ms: a pass sweeps
+// the caches, and every torch op after it runs cold).
 
 #pragma once
 
+#include "dequantize.h"
+#include "forward.h"
 #include "vector.h"
 
 #include <cmath>
@@ -51,6 +55,86 @@ inline std::pair<int64_t, float> greedy_top(const float* x, int64_t n) {
   float sum = lane_sum(total);
   for (int64_t i = whole; i < n; i++) sum += std::exp(x[i] - top);
   return {index, 1.0f / sum};
+}
+
+// Where a chain stops, as ChainCut decides it (its keep_prices and more_prices for steps
+// 0, 1, ..; empty: never on confidence). P_j = p_0 .. p_j, the product of the draft's
+// probabilities of its chain so far (`prior`: the P's of tokens drafted before this call).
+struct ChainPrices {
+  std::vector<double> keep_a, keep_b, more_a, more_b;
+  std::vector<double> prior;
+};
+
+struct Chain {
+  std::vector<int64_t> tokens;
+  std::vector<double> cumulative;  // P_j of each token kept
+  int64_t passes = 0;              // steps run (the last one's token may have been dropped)
+};
+
+// A lone row's greedy chain: step j feeds `token` (then the token step j - 1 chose) at slot
+// start + j of the row's cache (its features row start + j left holding the last hidden
+// state, as a pass leaves it), and chooses the first largest logit of the head, mapped
+// through head_ids where given ([W] int64: the draft head's token ids). Up to `steps` steps;
+// with prices, token j is dropped and the chain ends unless P_j keep_a[j] > E_j keep_b[j]
+// (E_j = 1 + P_0 + .. + P_{j-1}), and it ends after token j unless
+// P_j more_a[j] > (E_j + P_j) more_b[j]: ChainCut's keeps and goes_on, in its operation order.
+inline Chain greedy_chain(const Decoder& decoder, const torch::Tensor& embedding,
+                          int64_t embedding_type, int64_t token, torch::Tensor features,
+                          torch::Tensor keys, torch::Tensor values, int64_t start, int64_t steps,
+                          torch::Tensor logits, const torch::Tensor& head_ids,
+                          const ChainPrices& prices) {
+  const int64_t hidden = decoder.shape.hidden, width = logits.size(1);
+  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kUInt8 &&
+              embedding.is_contiguous() && known_type(int(embedding_type)),
+              "embedding: the file's rows [N, row_bytes] of a quantised type");
+  const Layout shape = layout(int(embedding_type));
+  TORCH_CHECK(embedding.size(1) % shape.block_bytes == 0 &&
+              embedding.size(1) / shape.block_bytes * shape.block_size == hidden,
+              "embedding rows must be hidden wide");
+  TORCH_CHECK(features.dim() == 2 && features.is_contiguous() &&
+              features.scalar_type() == torch::kFloat32 && features.size(1) == hidden &&
+              start >= 0 && start + steps <= features.size(0), "features: [capacity, hidden]");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == 1 && logits.is_contiguous(),
+              "logits: [1, W]");
+  TORCH_CHECK(head_ids.numel() == 0 || (head_ids.scalar_type() == torch::kInt64 &&
+                                        head_ids.is_contiguous() && head_ids.numel() == width),
+              "head_ids: [W] int64, or empty");
+  const bool cut = !prices.keep_a.empty();
+  TORCH_CHECK(!cut || (int64_t(prices.keep_a.size()) >= int64_t(prices.prior.size()) + steps &&
+                       prices.keep_b.size() == prices.keep_a.size() &&
+                       prices.more_a.size() == prices.keep_a.size() &&
+                       prices.more_b.size() == prices.keep_a.size()),
+              "prices for every step of the chain");
+  double last = 1.0, before = 0.0;  // P_{j-1}, and P_0 + .. + P_{j-1}
+  for (double p : prices.prior) {
+    last = p;
+    before += p;
+  }
+  Chain chain;
+  for (int64_t j = 0; j < steps; j++) {
+    // 1. the token's embedding row, one pass, the head's largest logit
+    TORCH_CHECK(token >= 0 && token < embedding.size(0), "token out of the embedding");
+    torch::Tensor x = features.narrow(0, start + j, 1);
+    dequantize_row(int(embedding_type), embedding.data_ptr<uint8_t>() + token * embedding.size(1),
+                   hidden, x.data_ptr<float>());
+    const PassRows rows{{keys}, {values}, {start + j}, {1}, {}, {}, {}};
+    forward_layers(x, decoder, rows, torch::empty({0}), {}, {0}, logits);
+    chain.passes++;
+    const auto [index, probability] = greedy_top(logits.data_ptr<float>(), width);
+    const int64_t chosen = head_ids.numel() ? head_ids.data_ptr<int64_t>()[index] : index;
+    // 2. the chain's confidence: drop the token, or keep it and maybe stop
+    const double cumulative = double(probability) * last;
+    const size_t at = prices.prior.size() + size_t(j);
+    if (cut && !(cumulative * prices.keep_a[at] > (1.0 + before) * prices.keep_b[at])) break;
+    chain.tokens.push_back(chosen);
+    chain.cumulative.push_back(cumulative);
+    if (cut && !(cumulative * prices.more_a[at] > (1.0 + (before + cumulative)) * prices.more_b[at]))
+      break;
+    last = cumulative;
+    before += cumulative;
+    token = chosen;
+  }
+  return chain;
 }
 
 }  // namespace vq

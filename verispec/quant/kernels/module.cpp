@@ -293,31 +293,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tap_layers"), py::arg("wanted") = std::vector<int64_t>(),
         py::arg("logits") = py::none(),
         "every decoder layer of one pass, and the wanted positions' logits (forward.h)");
-  // A lone greedy draft step in one call: the token's embedding row dequantised into x [1, H]
-  // (its row of the cache's features, left holding its last hidden state), the pass at slot
-  // `start` of the cache, the head into logits [1, W], and greedy_top over them. What a Python
-  // step paid around the pass (~0.7 ms of a 0.5B draft's 12) goes.
-  m.def("greedy_step",
+  // A lone greedy draft row's chain in one call (greedy.h): (tokens, their cumulative
+  // probabilities, passes run).
+  m.def("greedy_chain",
         [](const vq::Decoder& decoder, const torch::Tensor& embedding, int64_t embedding_type,
-           int64_t token, torch::Tensor x, torch::Tensor keys, torch::Tensor values,
-           int64_t start, torch::Tensor logits) {
-          TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kUInt8 &&
-                      embedding.is_contiguous() && vq::known_type(int(embedding_type)),
-                      "embedding: the file's rows [N, row_bytes] of a quantised type");
-          TORCH_CHECK(token >= 0 && token < embedding.size(0), "token out of the embedding");
-          TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() &&
-                      x.scalar_type() == torch::kFloat32 && x.size(1) == decoder.shape.hidden &&
-                      vq::row_length(embedding, embedding_type) == decoder.shape.hidden,
-                      "x: [1, hidden] float32, the embedding's row width");
-          vq::dequantize_row(int(embedding_type),
-                             embedding.data_ptr<uint8_t>() + token * embedding.size(1),
-                             decoder.shape.hidden, x.data_ptr<float>());
-          const vq::PassRows rows{{std::move(keys)}, {std::move(values)}, {start}, {1}, {}, {}, {}};
-          vq::forward_layers(x, decoder, rows, torch::empty({0}), {}, {0}, logits);
-          return vq::greedy_top(logits.data_ptr<float>(), logits.size(1));
+           int64_t token, torch::Tensor features, torch::Tensor keys, torch::Tensor values,
+           int64_t start, int64_t steps, torch::Tensor logits, const torch::Tensor& head_ids,
+           std::vector<double> prior, std::vector<double> keep_a, std::vector<double> keep_b,
+           std::vector<double> more_a, std::vector<double> more_b) {
+          const vq::ChainPrices prices{std::move(keep_a), std::move(keep_b), std::move(more_a),
+                                       std::move(more_b), std::move(prior)};
+          vq::Chain chain = vq::greedy_chain(decoder, embedding, embedding_type, token,
+                                             std::move(features), std::move(keys),
+                                             std::move(values), start, steps,
+                                             std::move(logits), head_ids, prices);
+          return py::make_tuple(chain.tokens, chain.cumulative, chain.passes);
         },
         py::kw_only(), py::arg("decoder"), py::arg("embedding"), py::arg("embedding_type"),
-        py::arg("token"), py::arg("x"), py::arg("keys"), py::arg("values"), py::arg("start"),
-        py::arg("logits"),
-        "a lone greedy step: embedding, every layer, the head and greedy_top in one call");
+        py::arg("token"), py::arg("features"), py::arg("keys"), py::arg("values"),
+        py::arg("start"), py::arg("steps"), py::arg("logits"), py::arg("head_ids"),
+        py::arg("prior") = std::vector<double>(), py::arg("keep_a") = std::vector<double>(),
+        py::arg("keep_b") = std::vector<double>(), py::arg("more_a") = std::vector<double>(),
+        py::arg("more_b") = std::vector<double>(),
+        "a lone greedy row's draft chain: embedding, layers, head and greedy_top a step");
 }

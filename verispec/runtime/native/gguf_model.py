@@ -130,27 +130,37 @@ class GGUFLlama(NativeLlama):
             head=projection(head) if in_pass else [])
 
     @torch.inference_mode()
-    def greedy_step(self, cache, start: int, token: int) -> tuple[torch.Tensor, int, float] | None:
-        """A lone position's pass at slot `start` of `cache` (which holds the slots before it)
-        for token `token`, and its greedy choice, in one C++ call (module.cpp's greedy_step):
-        (logits [1, V], the first largest's index, its probability), with the position's last
-        hidden state in cache.features as forward_rows leaves it. None where the kernels'
-        decoder has no head, the embedding is not quantised or the cache keeps taps (the
-        caller runs forward_rows)."""
-        step = getattr(self.kernels, "greedy_step", None)
+    def greedy_chain(self, cache, start: int, token: int, steps: int,
+                     head_ids: torch.Tensor | None = None, cut=None, prior: list[float] = ()
+                     ) -> tuple[list[int], list[float], int] | None:
+        """A lone row's greedy chain in one C++ call (kernels/greedy.h): from `token` at slot
+        `start` of `cache` (which holds the slots before it), up to `steps` passes, each the
+        next position's and its first largest logit (mapped through head_ids [W], a trimmed
+        head's token ids), cut as `cut` (a ChainCut; `prior`: the P's of the chain's tokens
+        drafted before) decides. Returns (tokens, their cumulative probabilities, passes run);
+        the cache and its features hold every position fed, as forward_rows leaves them. None
+        where the kernels' decoder has no head, the embedding is not quantised or the cache
+        keeps taps (the caller runs forward_rows)."""
+        chain = getattr(self.kernels, "greedy_chain", None)
         embed = self.embed
-        if step is None or self.fused is None or not self.fused.has_head or cache.tap_layers \
+        if chain is None or self.fused is None or not self.fused.has_head or cache.tap_layers \
                 or not getattr(embed, "quantized", False):
             return None
-        cache.reserve(start + 1)
+        cache.reserve(start + steps)
         if cache.features.dtype != torch.float32:
             return None
-        logits = torch.empty(1, self.lm_head.out_features)
-        index, probability = step(decoder=self.fused, embedding=embed.data,
-                                  embedding_type=int(embed.qtype), token=token,
-                                  x=cache.features[start:start + 1], keys=cache.keys,
-                                  values=cache.values, start=start, logits=logits)
-        return logits, index, probability
+        prices = {}
+        if cut is not None:
+            keep = [cut.keep_prices(j) for j in range(len(prior) + steps)]
+            more = [cut.more_prices(j) for j in range(len(prior) + steps)]
+            prices = {"prior": list(prior), "keep_a": [a for a, _ in keep],
+                      "keep_b": [b for _, b in keep], "more_a": [a for a, _ in more],
+                      "more_b": [b for _, b in more]}
+        return chain(decoder=self.fused, embedding=embed.data, embedding_type=int(embed.qtype),
+                     token=token, features=cache.features, keys=cache.keys, values=cache.values,
+                     start=start, steps=steps, logits=torch.empty(1, self.lm_head.out_features),
+                     head_ids=torch.empty(0, dtype=torch.long) if head_ids is None else head_ids,
+                     **prices)
 
     # a prompt pass attends as short passes would, where the probe allows (class doc)
     plan_prompts = True

@@ -96,20 +96,23 @@ class NativeRunner(PrefixRunner):
         token tree (each one's parent among them, -1: the last token before them)."""
         return batched_logits([self], [ids], [num_logits], [parents])[0]
 
-    def greedy_step(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, float] | None:
-        """logits(ids, 1) and its greedy choice where the cache holds all of ids [L] but the
-        last token and the model runs such a step in one call (`GGUFLlama.greedy_step`):
-        (logits [1, V], the first largest logit's index, its probability); None otherwise,
-        with nothing done (the caller takes `logits`)."""
-        step = getattr(self.model, "greedy_step", None)
+    def greedy_chain(self, ids: torch.Tensor, steps: int, head_ids: torch.Tensor | None = None,
+                     cut=None, prior: list[float] = ()) -> tuple[list[int], list[float]] | None:
+        """A greedy draft chain after ids [L] in one call, where the cache holds all of ids but
+        the last token and the model can run one (`GGUFLlama.greedy_chain`, whose arguments
+        these are): (tokens, their cumulative probabilities); None otherwise, with nothing
+        done. The cache then holds ids and every chosen token fed to a later step."""
+        chain = getattr(self.model, "greedy_chain", None)
         length = int(ids.numel()) - 1
-        if step is None or self._tree is not None or length < 1 \
+        if chain is None or self._tree is not None or length < 1 \
                 or self.cached_length != length or common_prefix(self._cached_ids, ids) != length:
             return None
-        result = step(self.cache, length, int(ids[-1]))
-        if result is not None:
-            self.commit(ids)
-        return result
+        result = chain(self.cache, length, int(ids[-1]), steps, head_ids, cut, prior)
+        if result is None:
+            return None
+        tokens, cumulative, passes = result
+        self.commit(torch.cat([ids, torch.tensor(tokens[:passes - 1], dtype=ids.dtype)]))
+        return tokens, cumulative
 
     def prepare(self, ids: torch.Tensor, num_logits: int) -> int:
         self.settle(ids)
