@@ -57,9 +57,10 @@ inline std::pair<int64_t, float> greedy_top(const float* x, int64_t n) {
   return {index, 1.0f / sum};
 }
 
-// Where a chain stops, as ChainCut decides it (its keep_prices and more_prices for steps
-// 0, 1, ..; empty: never on confidence). P_j = p_0 .. p_j, the product of the draft's
-// probabilities of its chain so far (`prior`: the P's of tokens drafted before this call).
+// Where a chain stops, as ChainCut decides it (its keep_prices and more_prices for this
+// call's steps: the chain's tokens len(prior), len(prior) + 1, ..; empty: never on
+// confidence). P_j = p_0 .. p_j, the product of the draft's probabilities of its chain so far
+// (`prior`: the P's of tokens drafted before this call).
 struct ChainPrices {
   std::vector<double> keep_a, keep_b, more_a, more_b;
   std::vector<double> prior;
@@ -75,32 +76,25 @@ struct Chain {
 // start + j of the row's cache (its features row start + j left holding the last hidden
 // state, as a pass leaves it), and chooses the first largest logit of the head, mapped
 // through head_ids where given ([W] int64: the draft head's token ids). Up to `steps` steps;
-// with prices, token j is dropped and the chain ends unless P_j keep_a[j] > E_j keep_b[j]
-// (E_j = 1 + P_0 + .. + P_{j-1}), and it ends after token j unless
-// P_j more_a[j] > (E_j + P_j) more_b[j]: ChainCut's keeps and goes_on, in its operation order.
+// the embedding's rows are `hidden` wide, of a quantised type (the caller checks). With
+// prices, this call's token j (P its cumulative probability, E 1 + the P's of the chain's
+// tokens before it) is dropped and the chain ends unless P keep_a[j] > E keep_b[j], and it
+// ends after that token unless P more_a[j] > (E + P) more_b[j]: ChainCut's keeps and goes_on,
+// in its operation order.
 inline Chain greedy_chain(const Decoder& decoder, const torch::Tensor& embedding,
                           int64_t embedding_type, int64_t token, torch::Tensor features,
                           torch::Tensor keys, torch::Tensor values, int64_t start, int64_t steps,
                           torch::Tensor logits, const torch::Tensor& head_ids,
                           const ChainPrices& prices) {
   const int64_t hidden = decoder.shape.hidden, width = logits.size(1);
-  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kUInt8 &&
-              embedding.is_contiguous() && known_type(int(embedding_type)),
-              "embedding: the file's rows [N, row_bytes] of a quantised type");
-  const Layout shape = layout(int(embedding_type));
-  TORCH_CHECK(embedding.size(1) % shape.block_bytes == 0 &&
-              embedding.size(1) / shape.block_bytes * shape.block_size == hidden,
-              "embedding rows must be hidden wide");
   TORCH_CHECK(features.dim() == 2 && features.is_contiguous() &&
               features.scalar_type() == torch::kFloat32 && features.size(1) == hidden &&
               start >= 0 && start + steps <= features.size(0), "features: [capacity, hidden]");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == 1 && logits.is_contiguous(),
-              "logits: [1, W]");
   TORCH_CHECK(head_ids.numel() == 0 || (head_ids.scalar_type() == torch::kInt64 &&
                                         head_ids.is_contiguous() && head_ids.numel() == width),
               "head_ids: [W] int64, or empty");
   const bool cut = !prices.keep_a.empty();
-  TORCH_CHECK(!cut || (int64_t(prices.keep_a.size()) >= int64_t(prices.prior.size()) + steps &&
+  TORCH_CHECK(!cut || (int64_t(prices.keep_a.size()) >= steps &&
                        prices.keep_b.size() == prices.keep_a.size() &&
                        prices.more_a.size() == prices.keep_a.size() &&
                        prices.more_b.size() == prices.keep_a.size()),
@@ -124,11 +118,10 @@ inline Chain greedy_chain(const Decoder& decoder, const torch::Tensor& embedding
     const int64_t chosen = head_ids.numel() ? head_ids.data_ptr<int64_t>()[index] : index;
     // 2. the chain's confidence: drop the token, or keep it and maybe stop
     const double cumulative = double(probability) * last;
-    const size_t at = prices.prior.size() + size_t(j);
-    if (cut && !(cumulative * prices.keep_a[at] > (1.0 + before) * prices.keep_b[at])) break;
+    if (cut && !(cumulative * prices.keep_a[j] > (1.0 + before) * prices.keep_b[j])) break;
     chain.tokens.push_back(chosen);
     chain.cumulative.push_back(cumulative);
-    if (cut && !(cumulative * prices.more_a[at] > (1.0 + (before + cumulative)) * prices.more_b[at]))
+    if (cut && !(cumulative * prices.more_a[j] > (1.0 + (before + cumulative)) * prices.more_b[j]))
       break;
     last = cumulative;
     before += cumulative;

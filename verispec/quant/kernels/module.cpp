@@ -301,6 +301,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            int64_t start, int64_t steps, torch::Tensor logits, const torch::Tensor& head_ids,
            std::vector<double> prior, std::vector<double> keep_a, std::vector<double> keep_b,
            std::vector<double> more_a, std::vector<double> more_b) {
+          TORCH_CHECK(vq::row_length(embedding, embedding_type) == decoder.shape.hidden,
+                      "embedding rows must be hidden wide");
           const vq::ChainPrices prices{std::move(keep_a), std::move(keep_b), std::move(more_a),
                                        std::move(more_b), std::move(prior)};
           vq::Chain chain = vq::greedy_chain(decoder, embedding, embedding_type, token,

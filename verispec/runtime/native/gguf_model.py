@@ -151,8 +151,9 @@ class GGUFLlama(NativeLlama):
             return None
         prices = {}
         if cut is not None:
-            keep = [cut.keep_prices(j) for j in range(len(prior) + steps)]
-            more = [cut.more_prices(j) for j in range(len(prior) + steps)]
+            chain_steps = range(len(prior), len(prior) + steps)  # the chain's token indices
+            keep = [cut.keep_prices(j) for j in chain_steps]
+            more = [cut.more_prices(j) for j in chain_steps]
             prices = {"prior": list(prior), "keep_a": [a for a, _ in keep],
                       "keep_b": [b for _, b in keep], "more_a": [a for a, _ in more],
                       "more_b": [b for _, b in more]}
