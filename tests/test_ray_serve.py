@@ -302,9 +302,9 @@ def check_nothing_lost(outcome: dict) -> None:
     assert any(result["replica"] == outcome["killed"] for result in outcome["streams"])
     for response, expected in zip(outcome["plain"], outcome["expected"][4:], strict=True):
         assert response.status_code == 200 or response.status_code >= 500
-        if response.status_code == 200:  # sent nothing before the fault: answered elsewhere
+        if response.status_code == 200:  # answered whole: elsewhere, or by the doomed replica
+            # before the fault landed (on a loaded machine a short request can finish first)
             assert response.json()["choices"][0]["text"] == expected
-            assert response.headers["x-verispec-replica"] != outcome["killed"]
     assert outcome["during"] and set(outcome["during"]) == {200}
 
 

@@ -419,3 +419,41 @@ def test_verify_rows_refuses_inconsistent_input():
         RowVerification("typical")
     with pytest.raises(ValueError, match="seed"):
         RowVerification("invariant")
+
+
+def test_greedy_chains_give_what_the_ragged_call_gives():
+    """verify_drafts follows a greedy chain's argmax row by row: the same tokens and counts as
+    verify_rows' greedy procedure, over drafts that match wholly, partly or not at all, logits
+    full of ties (the first maximal index wins), float32 and float64, beside sampled rows."""
+    from verispec import SamplingParams
+    from verispec.drafters.drafter import Draft
+    from verispec.verify.drafts import RowState, verify_drafts
+
+    rng = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.float64):
+        for _ in range(30):
+            lengths = torch.randint(0, 6, (5,), generator=rng).tolist()
+            logits = [torch.randint(0, 3, (k + 1, V), generator=rng).to(dtype)  # ties
+                      for k in lengths]
+            drafts = []
+            for k, rows_logits in zip(lengths, logits, strict=True):
+                path = rows_logits.argmax(-1)[:k].clone()  # the target's own choices
+                cut = int(torch.randint(0, k + 1, (1,), generator=rng))
+                if cut < k:  # depart from them at `cut`
+                    path[cut] = (path[cut] + 1 + int(torch.randint(0, V - 1, (1,),
+                                                                   generator=rng))) % V
+                drafts.append(Draft(path, None))
+            greedy = SamplingParams()
+            states = [RowState(greedy, None, 10)] * len(drafts)
+            got = verify_drafts(drafts, logits, states)
+            offsets = [0]
+            for k in lengths:
+                offsets.append(offsets[-1] + k)
+            tokens, accepted = verify_rows(torch.cat([d.tokens for d in drafts]), offsets,
+                                           None, torch.cat(logits),
+                                           [RowVerification("greedy")] * len(drafts))
+            assert [(v.tokens, v.accepted, v.drafted) for v in got] == [
+                (t, a, k) for t, a, k in zip(tokens, accepted, lengths, strict=True)]
+    with pytest.raises(ValueError, match="needs"):
+        verify_drafts([Draft(torch.tensor([1, 2]), None)], [torch.zeros(2, V)],
+                      [RowState(SamplingParams(), None, 0)])

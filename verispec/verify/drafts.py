@@ -1,5 +1,5 @@
-"""A round's drafts against its target logits: chains through one ragged call, trees row by
-row, each row by its own method and generator."""
+"""A round's drafts against its target logits: greedy chains by their argmax, sampled chains
+through one ragged call, trees row by row, each row by its own method and generator."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from verispec.drafters.drafter import Draft
 from verispec.params import SamplingParams
-from verispec.sampling import warp
+from verispec.sampling import greedy_tokens, warp
 from verispec.verify.rows import RowVerification, verify_rows
 from verispec.verify.trees import greedy_verify_tree, invariant_verify_tree, rejection_sample_tree
 
@@ -36,12 +36,19 @@ class RowState:
 def verify_drafts(drafts: Sequence[Draft], logits: Sequence[torch.Tensor],
                   rows: Sequence[RowState]) -> list[Verified]:
     """Verify every row's draft against its target logits [K'+1, V] (raw: sampled rows are
-    warped here by their params). Chains go through one ragged call (`verify_rows`: one host
-    sync), trees row by row; each row's draws come from its own generator, so they do not
-    depend on the other rows."""
+    warped here by their params). Greedy chains follow their argmax row by row, sampled chains
+    go through one ragged call (`verify_rows`: one host sync), trees row by row; each row's
+    draws come from its own generator, so they do not depend on the other rows."""
     verified: list[Verified | None] = [None] * len(drafts)
-    # 1. Chains, flattened with offsets: draft tokens [T], target rows [T + B, V].
-    chains = [i for i, draft in enumerate(drafts) if draft.parents is None]
+    # 1. Greedy chains, row by row: the target's argmax at each position, followed while the
+    #    draft agrees (what verify_rows' greedy procedure emits, without its ragged layout: a
+    #    lone greedy row spent ~0.5 ms a round on its small tensor ops, right after a pass).
+    for i, draft in enumerate(drafts):
+        if draft.parents is None and rows[i].params.greedy:
+            verified[i] = _follow_argmax(draft, logits[i])
+    # 2. Sampled chains, flattened with offsets: draft tokens [T], target rows [T + B, V].
+    chains = [i for i, draft in enumerate(drafts)
+              if draft.parents is None and verified[i] is None]
     if chains:
         offsets, targets, tokens, probs, settings = [0], [], [], [], []
         with_probs = any(drafts[i].probs is not None and not rows[i].params.greedy
@@ -62,11 +69,26 @@ def verify_drafts(drafts: Sequence[Draft], logits: Sequence[torch.Tensor],
                                         torch.cat(targets), settings)
         for i, row_tokens, row_accepted in zip(chains, emitted, accepted, strict=True):
             verified[i] = Verified(row_tokens, row_accepted, len(drafts[i]))
-    # 2. Trees, row by row.
+    # 3. Trees, row by row.
     for i, draft in enumerate(drafts):
         if verified[i] is None:
             verified[i] = _verify_tree(draft, logits[i], rows[i])
     return verified
+
+
+def _follow_argmax(draft: Draft, target_logits: torch.Tensor) -> Verified:
+    """A greedy row's chain: target_logits [K' + 1, V]; accepted while each draft token is the
+    argmax before it, then the argmax after the last accepted one."""
+    if target_logits.dim() != 2 or target_logits.shape[0] != len(draft) + 1:
+        raise ValueError(f"a chain of {len(draft)} tokens needs [{len(draft) + 1}, V] target "
+                         f"logits, got {tuple(target_logits.shape)}")
+    choice = greedy_tokens(target_logits).tolist()  # [K' + 1]
+    accepted = 0
+    for token in draft.tokens.tolist():
+        if token != choice[accepted]:
+            break
+        accepted += 1
+    return Verified(choice[: accepted + 1], accepted, len(draft))
 
 
 def _verify_tree(draft: Draft, target_logits: torch.Tensor, row: RowState) -> Verified:
