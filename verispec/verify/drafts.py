@@ -12,7 +12,12 @@ from verispec.drafters.drafter import Draft
 from verispec.params import SamplingParams
 from verispec.sampling import greedy_tokens, warp
 from verispec.verify.rows import RowVerification, verify_rows
-from verispec.verify.trees import greedy_verify_tree, invariant_verify_tree, rejection_sample_tree
+from verispec.verify.trees import (
+    greedy_verify_tree,
+    invariant_verify_tree,
+    rejection_sample_tree,
+    walk_tree,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +56,14 @@ def verify_drafts(drafts: Sequence[Draft], logits: Sequence[torch.Tensor],
               if draft.parents is None and verified[i] is None]
     if chains:
         offsets, targets, tokens, probs, settings = [0], [], [], [], []
-        with_probs = any(drafts[i].probs is not None and not rows[i].params.greedy
-                         for i in chains)
+        with_probs = any(drafts[i].probs is not None for i in chains)
         for i in chains:
             draft, row = drafts[i], rows[i]
             offsets.append(offsets[-1] + len(draft))
             tokens.append(draft.tokens)
-            targets.append(logits[i] if row.params.greedy else warp(logits[i], row.params))
-            has_probs = draft.probs is not None and not row.params.greedy
-            if with_probs:  # rows without (lookups, greedy rows) are ignored: zeros stand in
+            targets.append(warp(logits[i], row.params))
+            has_probs = draft.probs is not None
+            if with_probs:  # rows without (lookups) are ignored: zeros stand in
                 probs.append(draft.probs if has_probs else
                              logits[i].new_zeros(len(draft), logits[i].shape[-1]))
             settings.append(RowVerification(row.params.method, row.generator, row.params.seed,
@@ -82,13 +86,9 @@ def _follow_argmax(draft: Draft, target_logits: torch.Tensor) -> Verified:
     if target_logits.dim() != 2 or target_logits.shape[0] != len(draft) + 1:
         raise ValueError(f"a chain of {len(draft)} tokens needs [{len(draft) + 1}, V] target "
                          f"logits, got {tuple(target_logits.shape)}")
-    choice = greedy_tokens(target_logits).tolist()  # [K' + 1]
-    accepted = 0
-    for token in draft.tokens.tolist():
-        if token != choice[accepted]:
-            break
-        accepted += 1
-    return Verified(choice[: accepted + 1], accepted, len(draft))
+    chain = list(range(-1, len(draft) - 1))  # each token's parent: the one before it
+    tokens, path = walk_tree(draft.tokens.tolist(), chain, greedy_tokens(target_logits).tolist())
+    return Verified(tokens, len(path), len(draft))
 
 
 def _verify_tree(draft: Draft, target_logits: torch.Tensor, row: RowState) -> Verified:
