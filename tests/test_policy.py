@@ -497,6 +497,24 @@ def test_a_batch_catches_up_by_what_its_draft_model_has_shown_not_by_the_prior()
     assert weak.catch_up_pays(batch4, lag=5, remaining=100, batch_margin=margin)  # a round's
 
 
+def test_a_batch_row_catches_up_only_for_its_own_share_of_the_saving():
+    """The whole batch waits while one row's draft model reads its prompt, but drafting saves
+    only that row's share of the batch's passes: a prompt a lone row would read pays in a batch
+    of 4 only where a quarter of the saving beats the reading."""
+    batch4 = dataclasses.replace(costs(0.24, [1.0, 1.28, 1.85, 2.31, 2.76]),
+                                 target_step_s=0.0487, draft_catch_up_s=0.00156)
+    margin = DecodeConfig().batch_margin
+    policy = AdaptiveK()  # the prior: 0.8, K 1 at these prices, 1.18x
+    reading = batch4.catch_up(100)  # 3.2 steps
+    rate = expected_speedup(0.8, 1, batch4.draft_step, batch4.v(2))
+    assert 64 * (1 - 1 / rate) / 4 < reading < 64 * (1 - 1 / rate)
+    assert policy.catch_up_pays(batch4, lag=100, remaining=64, batch_margin=margin)
+    assert not policy.catch_up_pays(batch4, lag=100, remaining=64, batch_margin=margin,
+                                    rows=4)
+    assert policy.catch_up_pays(batch4, lag=100, remaining=512, batch_margin=margin, rows=4)
+    assert policy.catch_up_pays(batch4, lag=3, remaining=8, batch_margin=margin, rows=4)
+
+
 def test_a_new_request_starts_from_what_earlier_requests_learnt_of_a_source():
     """Greedy requests of one decoder share acceptance by source: a new request's estimate of
     a lookup that was accepted whole before starts high, and one that never was starts low,

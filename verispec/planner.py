@@ -95,14 +95,16 @@ class RoundPlanner:
         the row's policy: `AdaptiveK.catch_up_pays`). Alone (rows 1) at `prices`, default its
         own at its context; one of a batch of `rows` at the batch's prices at its context
         (`prices` unused), by what its draft model's rounds have shown, with the batch's
-        margin. Unpriced rows always catch up."""
+        margin, saving one row's share of the batch's passes. Unpriced rows always catch
+        up."""
         if getattr(request.drafter, "unread", None) is None or \
                 not isinstance(request.policy, AdaptiveK):
             return True  # no draft model to catch up (a feature draft reads as it goes)
         remaining = request.budget - request.generated
         if rows > 1:
             return request.policy.catch_up_pays(self.batch_costs(rows).at(request.context),
-                                                lag, remaining, self.config.batch_margin)
+                                                lag, remaining, self.config.batch_margin,
+                                                rows)
         if prices is None:
             prices = self.batch_costs(1).at(request.context)
         return request.policy.catch_up_pays(prices, lag, remaining)
