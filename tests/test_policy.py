@@ -247,7 +247,10 @@ def test_a_trees_size_is_what_its_probabilities_pay_for():
     policy = Priced(costs(0.05, [1.0, 1.05, 1.10, 1.15, 1.20]))  # +0.05 a position
     confident = torch.tensor([0.9, 0.8, 0.05, 0.04, 0.03, 0.02]).log()
     assert policy.tree_size(confident) == 2  # the two likely tokens; the rest cost more
-    assert policy.tree_size(torch.tensor([0.01, 0.01]).log()) == 0  # nothing pays
+    unlikely = torch.tensor([0.01, 0.01]).log()
+    assert policy.tree_size(unlikely) == 1  # nothing pays, but a probe verifies its likeliest
+    policy.update(0, 2, 1)  # the probe's evidence
+    assert policy.tree_size(unlikely) == 0  # nothing pays
     # a drafter that promises twice what it delivers gets smaller trees
     likely = torch.tensor([0.9, 0.1, 0.08]).log()
     assert policy.tree_size(likely) == 2
@@ -416,10 +419,18 @@ def test_a_source_priced_out_by_its_prior_is_probed_now_and_then():
     assert policy.keep(-4, 3) == 1  # its first proposal: a probe
     policy.update(-4, 1, 0)  # rejected
     kept = []
-    for _ in range(3 * (every + 1)):  # a probe, then `every` rounds without evidence
+    for _ in range(50 * every):  # rounds without evidence, but for the probes
         kept.append(policy.keep(-4, 3))
         policy.update(-4, kept[-1], 0) if kept[-1] else policy.update(0, 0, 0)
-    assert sum(kept) == 3 and all(k <= 1 for k in kept)  # one probe every probe_every rounds
+    assert all(k <= 1 for k in kept)
+    # each probe that finds it priced out doubles the wait, up to 16 times probe_every
+    probes = [i for i, k in enumerate(kept) if k]
+    gaps = [b - a for a, b in zip([-1] + probes, probes, strict=False)]
+    assert gaps[:5] == [2 * every + 1, 4 * every + 1, 8 * every + 1, 16 * every + 1,
+                        16 * every + 1]
+    for _ in range(3):
+        policy.update(-4, 3, 3)  # used on its merits (accepted): probed soon again
+    assert policy.estimates[-4].probe_gap == every
     policy = Priced(steep)
     for _ in range(6):
         policy.update(-4, 3, 3)  # accepted: the estimate learns it pays

@@ -71,7 +71,9 @@ class DecodeConfig:
     draft_prior: float = 0.8
     # A source whose estimate prices it out (K = 0) is still tried with one token once it has
     # gone this many rounds without evidence (and at its first proposal): its acceptance is
-    # then learnt, not assumed, at most one extra position every probe_every rounds.
+    # then learnt, not assumed, at most one extra position every probe_every rounds. A probe
+    # that finds it still priced out doubles the wait before the next one (up to 16 times
+    # probe_every); a round that uses it on its merits brings the wait back to probe_every.
     probe_every: int = 16
     # A draft model that lags far behind its row (a long prompt it has not read, or tokens
     # lookups and a prediction added) catches up only where what it saves over the next

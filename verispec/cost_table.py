@@ -28,6 +28,7 @@ from pathlib import Path
 from verispec.config import DecodeConfig
 from verispec.cost_cache import CostCache, cost_key, folder
 from verispec.costs import CostModel, Interrupt, measure_batch_costs, measure_costs
+from verispec.round_costs import ObservedCosts
 
 log = logging.getLogger("verispec")
 
@@ -51,6 +52,9 @@ class CostTable:
         self._cache: CostCache | None = None
         self._read = False  # whether the cache was read (once, on first use)
         self._estimated: set[int] = set()  # sizes said in the log to be estimates
+        # what a lone greedy row's rounds took against the one-row model, which prices such
+        # rows corrected by it (verispec.round_costs); a model handed in is priced as given
+        self.observed = ObservedCosts() if one_row is None else None
 
     def one_row(self) -> CostModel:
         """The one-row model, measured on first use (or read from the cost cache)."""

@@ -97,7 +97,8 @@ class Engine:
         self.model = model
         self.scheduler = Scheduler(max_batch, model.config, model.target, model.drafter,
                                    runners, drafters)
-        self.planner = RoundPlanner(model.drafter, model.config, model.costs.prices)
+        self.planner = RoundPlanner(model.drafter, model.config, model.costs.prices,
+                                    model.costs.observed)
         self._ids = itertools.count()
 
     @property

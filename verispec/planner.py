@@ -2,7 +2,8 @@
 
 One plan a round, for the whole batch (a lone prompt is a batch of one):
   prices     the batch's cost model at its rows' mean length (`decoder.batch_costs`), and each
-             row's share of it for its own extra positions (`CostModel.row_share`);
+             row's share of it for its own extra positions (`CostModel.row_share`); a lone
+             greedy row's corrected by what its rounds have taken (verispec.round_costs);
   K          a row alone: its policy's best K at its prices; a batch: one K for all rows
              (`theory.batch_optimal_k`), 0 where the bigger pass stops paying;
   lookups    asked for up to k_max tokens (they cost nothing to propose), then cut by kind;
@@ -23,6 +24,7 @@ from verispec.drafters.drafter import ChainCut, Draft, unread
 from verispec.drafters.hybrid import HybridDrafter, tree_width_of
 from verispec.policy import AdaptiveK
 from verispec.request import Request
+from verispec.round_costs import ObservedCosts
 from verispec.theory import batch_allocation, batch_optimal_k
 
 
@@ -40,14 +42,21 @@ class RoundPlan:
     rows: tuple[RowPlan, ...]
     greedy_trees: bool  # whether greedy rows draft token trees this round
     batch_prices: CostModel | None  # the whole batch's, for the batch-wide cut
+    # a lone greedy row's measured model at its context, before any correction by rounds:
+    # what its round's times are recorded against (`RoundPlanner.observe`); None: not recorded
+    measured: CostModel | None = None
 
 
 class RoundPlanner:
     def __init__(self, drafter, config: DecodeConfig,
-                 batch_costs: Callable[[int], CostModel]) -> None:
+                 batch_costs: Callable[[int], CostModel],
+                 observed: ObservedCosts | None = None) -> None:
         """drafter: the decoder's (None: plain decoding); batch_costs(n): the cost model of a
-        batch of n rows, measured or estimated (never measured while a round waits)."""
+        batch of n rows, measured or estimated (never measured while a round waits);
+        observed: what lone greedy rows' rounds have taken against it (None: prices are the
+        models as measured)."""
         self.drafter, self.config, self.batch_costs = drafter, config, batch_costs
+        self.observed = observed
 
     def plan(self, requests: Sequence[Request]) -> RoundPlan:
         rows = len(requests)
@@ -57,10 +66,12 @@ class RoundPlanner:
             return RoundPlan(tuple(RowPlan(0, 0, 1, None) for _ in requests), greedy_trees, None)
         widths = [tree_width_of(self.drafter, r.params) if greedy_trees or not r.params.greedy
                   else 1 for r in requests]
-        batch_prices = row_prices = None
+        batch_prices = row_prices = measured = None
         if all(isinstance(r.policy, AdaptiveK) for r in requests):
             context = sum(r.context for r in requests) // rows
             batch_prices = self.batch_costs(rows).at(context)
+            if rows == 1 and requests[0].params.greedy and self.observed is not None:
+                measured, batch_prices = batch_prices, self.observed.corrected(batch_prices)
             row_prices = batch_prices.row_share(rows)
         # 1. K: a row alone takes its own best; a batch shares one (a tree's depth where rows
         #    draft trees, priced as the widest row's policy prices its trees).
@@ -87,7 +98,16 @@ class RoundPlanner:
         plans = tuple(RowPlan(r.draft_budget(k), r.draft_budget(free_k), width, row_prices,
                               cut if r.params.greedy and width == 1 else None)
                       for r, k, free_k, width in zip(requests, ks, free_ks, widths, strict=True))
-        return RoundPlan(plans, greedy_trees, batch_prices)
+        return RoundPlan(plans, greedy_trees, batch_prices, measured)
+
+    def observe(self, plan: RoundPlan, positions: int, pass_s: float, draft_depth: int,
+                draft_s: float, lag: int) -> None:
+        """A lone greedy row's round took pass_s seconds for its target pass over `positions`
+        positions and draft_s for its draft model's proposal of draft_depth tokens (0: none),
+        `lag` tokens behind the row: recorded against the model it was priced by
+        (`ObservedCosts.record`)."""
+        if plan.measured is not None and self.observed is not None:
+            self.observed.record(plan.measured, positions, pass_s, draft_depth, draft_s, lag)
 
     def catch_up_pays(self, request: Request, lag: int, prices: CostModel | None = None,
                       rows: int = 1) -> bool:

@@ -114,6 +114,7 @@ class AcceptanceEstimate:
     accepted_w: float = 0.0
     checked_w: float = 0.0
     idle: int = 0  # rounds since the last evidence (`AdaptiveK`'s probes)
+    probe_gap: int = 16  # rounds without evidence before the next probe (`AdaptiveK`)
 
     @property
     def gamma(self) -> float:
@@ -213,7 +214,7 @@ class AdaptiveK:
         is tried rather than judged by its prior: no source starves."""
         prices = _require(prices)
         estimate = self._estimate(source)
-        if estimate.idle >= self.config.probe_every or (
+        if estimate.idle >= estimate.probe_gap or (
                 estimate.checked_w == 0.0 and (self.shared is None or source not in self.shared)):
             return True
         lookup = lookup_prices(prices)
@@ -229,7 +230,13 @@ class AdaptiveK:
             if other != source:
                 estimate.idle += 1
         checked = min(num_accepted + 1, num_drafted)
-        self._estimate(source).update(checked, num_accepted)
+        estimate = self._estimate(source)
+        probed = estimate.idle >= estimate.probe_gap
+        estimate.update(checked, num_accepted)
+        if checked:  # evidence: after a probe the next waits twice as long, else the least
+            every = self.config.probe_every
+            estimate.probe_gap = min(2 * estimate.probe_gap, MAX_PROBE_GAPS * every) \
+                if probed else every
         written = num_accepted + 1  # the round's tokens: the accepted ones and the target's
         self.model_rounds.update(written, written if source == 0 else 0)
         if self.shared is not None and checked:
@@ -293,11 +300,14 @@ class AdaptiveK:
         prices = _require(prices)
         ratio = self.calibration.gamma
         probs = scores.float().exp().sort(descending=True).values[:MAX_TREE_NODES].tolist()
-        best, best_rate, expected = 0, 1.0, 1.0
+        # a probe (`_probed`) verifies at least the likeliest token: cut to nothing, it would
+        # learn nothing, and the next round would probe again
+        source = self._estimate(0)
+        best, best_rate, expected = int(source.idle >= source.probe_gap), 0.0, 1.0
         for n, prob in enumerate(probs, start=1):
             expected += ratio * prob
             rate = expected / prices.v(n + 1)
-            if rate > best_rate:
+            if rate > max(best_rate, 1.0):
                 best, best_rate = n, rate
         self.kept.update(max(1, depth), best)
         return best
@@ -317,13 +327,14 @@ class AdaptiveK:
         return optimal_k(gamma, prices.draft_step, prices.verify, prices.k_max)
 
     def _probed(self, source: int, k: int, pays_when_accepted: bool) -> int:
-        """k, or one token where k is 0 and the source has gone config.probe_every rounds
-        without evidence: a source its prior prices out is still tried now and then (its
-        first proposal at once), so its acceptance is learnt rather than assumed; never one
-        that would not pay even if always accepted. A probe costs at most one extra position
-        (and draft step) every probe_every rounds."""
-        if k == 0 and pays_when_accepted and \
-                self._estimate(source).idle >= self.config.probe_every:
+        """k, or one token where k is 0 and the source has gone its probe gap without
+        evidence: a source its prior prices out is still tried now and then (its first
+        proposal at once), so its acceptance is learnt rather than assumed; never one that
+        would not pay even if always accepted. A probe costs one extra position (and draft
+        step) every probe_every rounds, then, while probes keep finding it priced out, every
+        2, 4, .. 16 times as many (`update`)."""
+        estimate = self._estimate(source)
+        if k == 0 and pays_when_accepted and estimate.idle >= estimate.probe_gap:
             return 1
         return k
 
@@ -339,8 +350,14 @@ class AdaptiveK:
                 prior = min(max(self.shared[source].gamma, 0.01), 0.99)
             self.estimates[source] = AcceptanceEstimate(prior, self.config.prior_weight,
                                                         self.config.estimate_decay,
-                                                        idle=self.config.probe_every)
+                                                        idle=self.config.probe_every,
+                                                        probe_gap=self.config.probe_every)
         return self.estimates[source]
+
+
+# A probe that finds its source still priced out doubles the wait before the next, up to this
+# many times DecodeConfig.probe_every.
+MAX_PROBE_GAPS = 16
 
 
 def shared_estimate(prior: float) -> AcceptanceEstimate:

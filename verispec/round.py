@@ -10,17 +10,19 @@
 
 `run_round` runs the four in order; the engine (verispec.engine) chooses the rows and applies
 what they verified. Nothing here measures a cost: a round is priced from the cost models the
-planner was given.
+planner was given, and a lone row's round tells the planner what its pass and its draft took
+(`RoundPlanner.observe`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
 from verispec.drafters.batch_drafting import propose_batch
-from verispec.drafters.drafter import Draft, catch_up, empty_draft
+from verispec.drafters.drafter import Draft, catch_up, empty_draft, unread
 from verispec.drafters.prediction import is_prediction
 from verispec.planner import RoundPlan, RoundPlanner
 from verispec.request import Request, Round
@@ -35,17 +37,25 @@ def run_round(planner: RoundPlanner, feeding: list[Request], decoding: list[Requ
     which the scheduler set), the decoding rows draft and verify. Returns the decoding rows'
     verified rounds, in order."""
     plan = planner.plan(decoding)
-    drafts = draft(planner, decoding, plan)
+    lag = unread(decoding[0].drafter, decoding[0].history) if len(decoding) == 1 else 0
+    started = time.perf_counter()
+    drafts, model_depths = draft(planner, decoding, plan)
+    drafted = time.perf_counter()
     rounds = [Round(d, torch.cat([r.history, d.tokens]), len(d) + 1)
               for r, d in zip(decoding, drafts, strict=True)]
     logits = score(planner, feeding, decoding, rounds)
+    if len(decoding) == 1 and not feeding:
+        planner.observe(plan, rounds[0].num_logits, time.perf_counter() - drafted,
+                        model_depths[0], drafted - started, lag)
     return verify(decoding, rounds, logits)
 
 
-def draft(planner: RoundPlanner, requests: list[Request], plan: RoundPlan) -> list[Draft]:
+def draft(planner: RoundPlanner, requests: list[Request], plan: RoundPlan
+          ) -> tuple[list[Draft], list[int]]:
     """Every row's proposal, cut to what it pays for (`RoundPlanner.keep`): a row's prediction
     first (a row it proposes for drafts nothing else), then draft models in lockstep passes up
-    to the round's K and lookups up to theirs."""
+    to the round's K and lookups up to theirs. Also each row's draft-model proposal's depth as
+    drafted, before the cut (0 where a lookup or a prediction proposed, or nothing did)."""
     keeps = [planner.lookup_keep(r, row) for r, row in zip(requests, plan.rows, strict=True)]
     predicted = [_predict(r, row.free_k, keep)
                  for r, row, keep in zip(requests, plan.rows, keeps, strict=True)]
@@ -57,7 +67,8 @@ def draft(planner: RoundPlanner, requests: list[Request], plan: RoundPlan) -> li
         [0 if i else row.free_k for i, row in zip(idle, plan.rows, strict=True)],
         keeps, greedy_trees=plan.greedy_trees, cuts=[row.cut for row in plan.rows])
     drafts = [p if i else d for p, d, i in zip(predicted, drafts, idle, strict=True)]
-    return planner.keep(requests, drafts, plan)
+    model_depths = [d.depth if d.source == 0 else 0 for d in drafts]
+    return planner.keep(requests, drafts, plan), model_depths
 
 
 def score(planner: RoundPlanner, feeding: list[Request], decoding: list[Request],
