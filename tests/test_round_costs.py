@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from verispec.config import DecodeConfig
+from verispec.cost_table import CostTable
 from verispec.costs import CostModel
+from verispec.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from verispec.params import SamplingParams
 from verispec.planner import RoundPlanner
 from verispec.policy import AcceptanceEstimate, AdaptiveK
@@ -121,3 +123,19 @@ def test_a_lone_greedy_row_stops_drafting_where_its_rounds_say_it_loses():
     assert sampled_plan.measured is None and sampled_plan.rows[0].k >= 1
     unobserved = RoundPlanner(greedy.drafter, DecodeConfig(), lambda rows: MEASURED)
     assert unobserved.plan([greedy]).rows[0].k == 1
+
+
+def test_only_a_feature_draft_is_priced_by_its_rounds():
+    """A feature head sits in cache through a tight loop of its own steps and not in rounds; a
+    draft model streams its weights either way and keeps its measured c, as does a decoder
+    handed a cost model."""
+    def table(drafter, one_row=None):
+        return CostTable(None, drafter, DecodeConfig(), one_row=one_row)
+
+    feature = FeatureDrafter.__new__(FeatureDrafter)
+    assert table(feature).observed is not None
+    assert table(HybridDrafter(feature)).observed is not None
+    assert table(feature, one_row=MEASURED).observed is None
+    assert table(HybridDrafter(ModelDrafter.__new__(ModelDrafter))).observed is None
+    assert table(NgramDrafter()).observed is None
+    assert table(None).observed is None

@@ -28,6 +28,7 @@ from pathlib import Path
 from verispec.config import DecodeConfig
 from verispec.cost_cache import CostCache, cost_key, folder
 from verispec.costs import CostModel, Interrupt, measure_batch_costs, measure_costs
+from verispec.drafters.feature import FeatureDrafter
 from verispec.round_costs import ObservedCosts
 
 log = logging.getLogger("verispec")
@@ -53,8 +54,10 @@ class CostTable:
         self._read = False  # whether the cache was read (once, on first use)
         self._estimated: set[int] = set()  # sizes said in the log to be estimates
         # what a lone greedy row's rounds took against the one-row model, which prices such
-        # rows corrected by it (verispec.round_costs); a model handed in is priced as given
-        self.observed = ObservedCosts() if one_row is None else None
+        # rows corrected by it (verispec.round_costs): for a feature draft, whose small head
+        # a tight loop times in cache; a model handed in is priced as given
+        self.observed = ObservedCosts() if one_row is None and _reads_features(drafter) \
+            else None
 
     def one_row(self) -> CostModel:
         """The one-row model, measured on first use (or read from the cost cache)."""
@@ -175,3 +178,8 @@ class CostTable:
 
 def _curve(values: Sequence[float] | None) -> str:
     return " ".join(f"{v:.2f}" for v in values or ())
+
+
+def _reads_features(drafter) -> bool:
+    """Whether the drafter's model is a feature draft (alone or beside a lookup)."""
+    return isinstance(getattr(drafter, "model", drafter), FeatureDrafter)

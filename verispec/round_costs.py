@@ -16,6 +16,12 @@ would take:
     drafts   a draft model's proposal of depth d: seconds / step, against d * c and the
              catching up on what lookups wrote since its last (`CostModel.catch_up`)
 
+It corrects feature drafts only: their head (a layer and an 8k-token head, 18 MB) stays in
+cache through a tight loop of its own steps and is evicted by the target's pass in rounds. A
+draft model streams its weights from memory either way (the 0.5B's 250 MB), and its correction,
+which also charged it for catching up in short passes, cost the Qwen2.5-Coder pair 2-4% on code
+prompts (the same process, alternating).
+
 Medians, so that a round spoilt by a burst of machine noise (a page fault, another process)
 moves nothing. The passes are left as measured: what a pass over n positions took in the
 rounds beyond v(n) was a few hundredths of a step in SmolLM2's, and adding it priced n-gram
