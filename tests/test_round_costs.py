@@ -115,9 +115,10 @@ def test_a_lone_greedy_row_stops_drafting_where_its_rounds_say_it_loses():
     assert planner.plan([greedy]).rows[0].k == 1
     plan = planner.plan([greedy])
     assert plan.measured is not None
-    for _ in range(40):
-        planner.observe(plan, 1, STEP_S, 0, 0.0, 0)
-        planner.observe(plan, 2, 1.23 * STEP_S, 1, 0.45 * STEP_S, 1)
+    for _ in range(40):  # (its rounds give more tokens a second than plain ones: 2 / 1.68)
+        planner.observe(plan, 1, STEP_S, 0, 0.0, 0, STEP_S, 1)
+        planner.observe(plan, 2, 1.23 * STEP_S, 1, 0.45 * STEP_S, 1, 1.68 * STEP_S, 2)
+    assert not observed.at_a_loss()
     assert planner.plan([greedy]).rows[0].k == 0
     sampled_plan = planner.plan([sampled])
     assert sampled_plan.measured is None and sampled_plan.rows[0].k >= 1
@@ -127,15 +128,96 @@ def test_a_lone_greedy_row_stops_drafting_where_its_rounds_say_it_loses():
 
 def test_only_a_feature_draft_is_priced_by_its_rounds():
     """A feature head sits in cache through a tight loop of its own steps and not in rounds; a
-    draft model streams its weights either way and keeps its measured c, as does a decoder
-    handed a cost model."""
+    draft model streams its weights either way and keeps its measured c. Both are watched for
+    drafting at a loss; lookups alone, plain decoding and a decoder handed a cost model are
+    not."""
     def table(drafter, one_row=None):
         return CostTable(None, drafter, DecodeConfig(), one_row=one_row)
 
     feature = FeatureDrafter.__new__(FeatureDrafter)
-    assert table(feature).observed is not None
-    assert table(HybridDrafter(feature)).observed is not None
+    feature.model = object()  # (a feature drafter that follows its target has one)
+    model = ModelDrafter.__new__(ModelDrafter)
+    assert table(feature).observed.corrects_draft
+    assert table(HybridDrafter(feature)).observed.corrects_draft
     assert table(feature, one_row=MEASURED).observed is None
-    assert table(HybridDrafter(ModelDrafter.__new__(ModelDrafter))).observed is None
+    assert not table(model).observed.corrects_draft
+    assert not table(HybridDrafter(model)).observed.corrects_draft
     assert table(NgramDrafter()).observed is None
     assert table(None).observed is None
+    observed = ObservedCosts(corrects_draft=False)
+    rounds_like(observed, 40, v2=1.23, c=0.45)
+    assert observed.corrected(MEASURED) == MEASURED
+
+
+def rounds_of(observed: ObservedCosts, drafted: bool, count: int, seconds: float,
+              tokens: int) -> None:
+    for _ in range(count):
+        observed.record_round(drafted, seconds, tokens)
+
+
+def test_a_draft_model_whose_rounds_give_fewer_tokens_a_second_than_plain_ones_sits_out():
+    """Plain rounds: a token in a step. Draft-model rounds: 1.5 tokens in 1.75 steps, at a
+    loss; it sits out all but one round in probe_every. Too few rounds of either kind decide
+    nothing; rounds that gain more than they take are no loss."""
+    observed = ObservedCosts()
+    rounds_of(observed, True, 20, 1.5 * STEP_S, 1)
+    assert not observed.at_a_loss()  # no plain rounds to compare with yet
+    rounds_of(observed, False, 7, STEP_S, 1)
+    assert not observed.at_a_loss()
+    rounds_of(observed, False, 1, STEP_S, 1)
+    assert observed.at_a_loss()
+    observed = ObservedCosts()
+    rounds_of(observed, False, 30, STEP_S, 1)
+    for _ in range(30):
+        observed.record_round(True, 1.75 * STEP_S, 1)
+        observed.record_round(True, 1.75 * STEP_S, 2)
+    assert observed.rate(True) == pytest.approx(1.5 / (1.75 * STEP_S), rel=0.05)
+    assert observed.at_a_loss()
+    asked = [observed.holds_back() for _ in range(3 * observed.probe_every)]
+    assert asked.count(False) == 3 and asked[observed.probe_every - 1] is False
+    gaining = ObservedCosts()
+    rounds_of(gaining, False, 30, STEP_S, 1)
+    rounds_of(gaining, True, 30, 1.2 * STEP_S, 2)
+    assert not gaining.at_a_loss() and not any(gaining.holds_back() for _ in range(40))
+    with pytest.raises(ValueError):
+        observed.record_round(False, 0.0, 1)
+    with pytest.raises(ValueError):
+        observed.record_round(True, STEP_S, 0)
+    with pytest.raises(ValueError):
+        ObservedCosts(decay=1.0)
+
+
+def test_a_draft_model_held_back_drafts_again_once_its_probes_gain():
+    """Its running rate forgets its older rounds: probes on text it now drafts well (3 tokens
+    in a step and a half) bring it back within a dozen of them."""
+    observed = ObservedCosts()
+    rounds_of(observed, False, 30, STEP_S, 1)
+    rounds_of(observed, True, 30, 1.5 * STEP_S, 1)
+    assert observed.at_a_loss()
+    rounds_of(observed, True, 12, 1.5 * STEP_S, 3)
+    assert not observed.at_a_loss() and not observed.holds_back()
+
+
+def test_the_planner_holds_back_a_losing_draft_model_for_a_lone_greedy_row_only():
+    """The draft model priced to pay (K = 1 at the measured prices) sits out once its rounds
+    lose, but for its probes; lookups are still asked for; a sampled row is planned at the
+    measured prices whatever the rounds took."""
+    observed = ObservedCosts()
+    greedy, sampled = lone_request(), lone_request(greedy=False)
+    planner = RoundPlanner(greedy.drafter, DecodeConfig(), lambda rows: MEASURED, observed)
+    plan = planner.plan([greedy])
+    assert plan.rows[0].k == 1
+    for _ in range(30):
+        planner.observe(plan, 1, STEP_S, 0, 0.0, 0, STEP_S, 1)
+        planner.observe(plan, 2, 1.1 * STEP_S, 1, 0.25 * STEP_S, 1, 1.5 * STEP_S, 1)
+        planner.observe(plan, 3, 1.2 * STEP_S, 0, 0.0, 0, 1.3 * STEP_S, 2)  # a lookup's
+    assert observed.plain[0] == 30 and observed.drafting[0] == 30  # (lookups not counted)
+    # a round that caught the draft model up on a prompt is not its steady rate
+    planner.observe(plan, 2, 1.1 * STEP_S, 1, 20 * STEP_S, 300, 22 * STEP_S, 2)
+    assert observed.drafting[0] == 30
+    assert observed.at_a_loss()
+    held = [planner.plan([greedy]).rows[0] for _ in range(observed.probe_every - 1)]
+    assert all(row.k == 0 and row.free_k == plan.rows[0].free_k for row in held)
+    assert planner.plan([greedy]).rows[0].k == 1  # the probe
+    sampled_plan = planner.plan([sampled])
+    assert sampled_plan.measured is None and sampled_plan.rows[0].k >= 1

@@ -29,6 +29,8 @@ from verispec.config import DecodeConfig
 from verispec.cost_cache import CostCache, cost_key, folder
 from verispec.costs import CostModel, Interrupt, measure_batch_costs, measure_costs
 from verispec.drafters.feature import FeatureDrafter
+from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.model import ModelDrafter
 from verispec.round_costs import ObservedCosts
 
 log = logging.getLogger("verispec")
@@ -53,11 +55,12 @@ class CostTable:
         self._cache: CostCache | None = None
         self._read = False  # whether the cache was read (once, on first use)
         self._estimated: set[int] = set()  # sizes said in the log to be estimates
-        # what a lone greedy row's rounds took against the one-row model, which prices such
-        # rows corrected by it (verispec.round_costs): for a feature draft, whose small head
-        # a tight loop times in cache; a model handed in is priced as given
-        self.observed = ObservedCosts() if one_row is None and _reads_features(drafter) \
-            else None
+        # what a lone greedy row's rounds took against the one-row model (verispec.round_costs):
+        # a draft model's (or feature draft's) rounds hold it back where it drafts at a loss; a
+        # feature draft's also price its step (its small head a tight loop times in cache); a
+        # model handed in is priced as given
+        self.observed = ObservedCosts(corrects_draft=_reads_features(drafter)) \
+            if one_row is None and _model_of(drafter) is not None else None
 
     def one_row(self) -> CostModel:
         """The one-row model, measured on first use (or read from the cost cache)."""
@@ -180,6 +183,12 @@ def _curve(values: Sequence[float] | None) -> str:
     return " ".join(f"{v:.2f}" for v in values or ())
 
 
+def _model_of(drafter):
+    """The drafter's model, alone or beside a lookup (a HybridDrafter's), else None."""
+    model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+    return model if isinstance(model, FeatureDrafter | ModelDrafter) else None
+
+
 def _reads_features(drafter) -> bool:
     """Whether the drafter's model is a feature draft (alone or beside a lookup)."""
-    return isinstance(getattr(drafter, "model", drafter), FeatureDrafter)
+    return isinstance(_model_of(drafter), FeatureDrafter)

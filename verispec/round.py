@@ -36,18 +36,22 @@ def run_round(planner: RoundPlanner, feeding: list[Request], decoding: list[Requ
     """One round: the feeding rows take their next prompt chunk (up to `request.prompt_fed`,
     which the scheduler set), the decoding rows draft and verify. Returns the decoding rows'
     verified rounds, in order."""
+    started = time.perf_counter()
     plan = planner.plan(decoding)
     lag = unread(decoding[0].drafter, decoding[0].history) if len(decoding) == 1 else 0
-    started = time.perf_counter()
+    drafting = time.perf_counter()
     drafts, model_depths = draft(planner, decoding, plan)
     drafted = time.perf_counter()
     rounds = [Round(d, torch.cat([r.history, d.tokens]), len(d) + 1)
               for r, d in zip(decoding, drafts, strict=True)]
     logits = score(planner, feeding, decoding, rounds)
+    scored = time.perf_counter()
+    verified = verify(decoding, rounds, logits)
     if len(decoding) == 1 and not feeding:
-        planner.observe(plan, rounds[0].num_logits, time.perf_counter() - drafted,
-                        model_depths[0], drafted - started, lag)
-    return verify(decoding, rounds, logits)
+        planner.observe(plan, rounds[0].num_logits, scored - drafted, model_depths[0],
+                        drafted - drafting, lag, time.perf_counter() - started,
+                        len(verified[0].tokens))
+    return verified
 
 
 def draft(planner: RoundPlanner, requests: list[Request], plan: RoundPlan
