@@ -31,10 +31,10 @@ one in `probe_every`, which learn its rate again as the text changes. On AMD Zen
 embedded SmolLM2's feature draft, priced at c 0.13-0.15 and v(2) 1.00, took 1.8 ms of
 drafting and a pass 1.17 times a plain one in its rounds: 6.4 ms a token against plain
 decoding's 5.9; priced by its proposals and held back, it went from 0.92x to 0.95x plain
-(the same process, alternating), the default beside lookups from 1.15x to 1.16x, the
-Qwen2.5-Coder pair's default from 1.29x to 1.31x. Lookups are not held back: their rounds
-cost what their pass costs, which the prices already see, and holding them back cost n-gram
-lookup 2% there.
+(the same process, alternating), the default beside lookups from 1.15x to 1.16x; the
+Qwen2.5-Coder pair's default, whose draft model pays, stayed within 2%. Lookups are not held
+back: their rounds cost what their pass costs, which the prices already see, and holding them
+back cost n-gram lookup 2% there.
 
 Medians, so that a round spoilt by a burst of machine noise (a page fault, another process)
 moves nothing. The passes are left as measured: what a pass over n positions took in the
