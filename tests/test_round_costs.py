@@ -211,10 +211,10 @@ def test_the_planner_holds_back_a_losing_draft_model_for_a_lone_greedy_row_only(
         planner.observe(plan, 1, STEP_S, 0, 0.0, 0, STEP_S, 1)
         planner.observe(plan, 2, 1.1 * STEP_S, 1, 0.25 * STEP_S, 1, 1.5 * STEP_S, 1)
         planner.observe(plan, 3, 1.2 * STEP_S, 0, 0.0, 0, 1.3 * STEP_S, 2)  # a lookup's
-    assert observed.plain[0] == 30 and observed.drafting[0] == 30  # (lookups not counted)
+    assert observed.plain.rounds == 30 and observed.drafting.rounds == 30  # (not lookups)
     # a round that caught the draft model up on a prompt is not its steady rate
     planner.observe(plan, 2, 1.1 * STEP_S, 1, 20 * STEP_S, 300, 22 * STEP_S, 2)
-    assert observed.drafting[0] == 30
+    assert observed.drafting.rounds == 30
     assert observed.at_a_loss()
     held = [planner.plan([greedy]).rows[0] for _ in range(observed.probe_every - 1)]
     assert all(row.k == 0 and row.free_k == plan.rows[0].free_k for row in held)

@@ -59,7 +59,8 @@ class CostTable:
         # a draft model's (or feature draft's) rounds hold it back where it drafts at a loss; a
         # feature draft's also price its step (its small head a tight loop times in cache); a
         # model handed in is priced as given
-        self.observed = ObservedCosts(corrects_draft=_reads_features(drafter)) \
+        self.observed = ObservedCosts(corrects_draft=_reads_features(drafter),
+                                      probe_every=config.probe_every) \
             if one_row is None and _model_of(drafter) is not None else None
 
     def one_row(self) -> CostModel:

@@ -124,7 +124,7 @@ class RoundPlanner:
         if plan.measured is None or self.observed is None:
             return
         self.observed.record(plan.measured, positions, pass_s, draft_depth, draft_s, lag)
-        if draft_depth and lag <= CAUGHT_UP or not draft_depth and positions == 1:
+        if (draft_depth and lag <= CAUGHT_UP) or (not draft_depth and positions == 1):
             self.observed.record_round(draft_depth > 0, round_s, tokens)
 
     def catch_up_pays(self, request: Request, lag: int, prices: CostModel | None = None,

@@ -122,6 +122,11 @@ class AcceptanceEstimate:
                 / (self.checked_w + self.prior_weight))
 
     @property
+    def probing(self) -> bool:
+        """Whether it has gone its probe gap without evidence: its next proposal is a probe."""
+        return self.idle >= self.probe_gap
+
+    @property
     def observed(self) -> float:
         """The acceptance its evidence alone says (decay keeps the ratio, so rounds without
         evidence do not pull it toward the prior); the prior while it has none."""
@@ -214,7 +219,7 @@ class AdaptiveK:
         is tried rather than judged by its prior: no source starves."""
         prices = _require(prices)
         estimate = self._estimate(source)
-        if estimate.idle >= estimate.probe_gap or (
+        if estimate.probing or (
                 estimate.checked_w == 0.0 and (self.shared is None or source not in self.shared)):
             return True
         lookup = lookup_prices(prices)
@@ -231,7 +236,7 @@ class AdaptiveK:
                 estimate.idle += 1
         checked = min(num_accepted + 1, num_drafted)
         estimate = self._estimate(source)
-        probed = estimate.idle >= estimate.probe_gap
+        probed = estimate.probing
         estimate.update(checked, num_accepted)
         if checked:  # evidence: after a probe the next waits twice as long, else the least
             every = self.config.probe_every
@@ -303,7 +308,7 @@ class AdaptiveK:
         # a probe (`_probed`) verifies at least the likeliest token: cut to nothing, it would
         # learn nothing, and the next round would probe again
         source = self._estimate(0)
-        best, best_rate, expected = int(source.idle >= source.probe_gap), 0.0, 1.0
+        best, best_rate, expected = int(source.probing), 0.0, 1.0
         for n, prob in enumerate(probs, start=1):
             expected += ratio * prob
             rate = expected / prices.v(n + 1)
@@ -334,7 +339,7 @@ class AdaptiveK:
         step) every probe_every rounds, then, while probes keep finding it priced out, every
         2, 4, .. 16 times as many (`update`)."""
         estimate = self._estimate(source)
-        if k == 0 and pays_when_accepted and estimate.idle >= estimate.probe_gap:
+        if k == 0 and pays_when_accepted and estimate.probing:
             return 1
         return k
 

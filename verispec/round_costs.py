@@ -55,6 +55,21 @@ from verispec.costs import CostModel
 
 
 @dataclass(slots=True)
+class RoundYield:
+    """Tokens and seconds of one kind of round, each round keeping `decay` of the sums before
+    it (the recent rounds count most), and how many rounds there were."""
+
+    rounds: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, seconds: float, tokens: int, decay: float) -> None:
+        self.rounds += 1
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+
+
+@dataclass(slots=True)
 class ObservedCosts:
     """What a lone greedy row's rounds took, against its measured cost model (`record`), and
     that model corrected by it (`corrected`). One for a decoder's cost table: every engine of
@@ -67,10 +82,8 @@ class ObservedCosts:
     probe_every: int = 16  # a draft model held back still drafts in one of this many rounds
     step_s: deque = field(init=False)  # seconds of plain rounds
     drafts: deque = field(init=False)  # observed / priced draft proposals
-    # [rounds, tokens, seconds] of plain rounds and of draft-model rounds: each round of its
-    # kind keeps `decay` of the sums before it
-    plain: list = field(init=False)
-    drafting: list = field(init=False)
+    plain: RoundYield = field(init=False)  # what plain rounds gave
+    drafting: RoundYield = field(init=False)  # what rounds the draft model proposed in gave
     waited: int = field(init=False)  # rounds the draft model sat out since it last drafted
 
     def __post_init__(self) -> None:
@@ -81,7 +94,7 @@ class ObservedCosts:
             raise ValueError(f"decay must be in (0, 1) and probe_every >= 1, got {self.decay}, "
                              f"{self.probe_every}")
         self.step_s, self.drafts = deque(maxlen=self.window), deque(maxlen=self.window)
-        self.plain, self.drafting, self.waited = [0, 0.0, 0.0], [0, 0.0, 0.0], 0
+        self.plain, self.drafting, self.waited = RoundYield(), RoundYield(), 0
 
     def record(self, measured: CostModel, positions: int, pass_s: float, draft_depth: int = 0,
                draft_s: float = 0.0, lag: int = 1) -> None:
@@ -115,23 +128,19 @@ class ObservedCosts:
                 long_draft_step=None if long_draft is None else long_draft * ratio)
         return prices
 
-
     def record_round(self, drafted: bool, seconds: float, tokens: int) -> None:
         """A lone greedy row's whole round (plan to verification) took `seconds` and gave
         `tokens`; drafted: its draft model proposed (else the round was plain)."""
         if seconds <= 0.0 or tokens < 1:
             raise ValueError(f"a round takes a time > 0 and gives a token, got {seconds}, "
                              f"{tokens}")
-        sums = self.drafting if drafted else self.plain
-        sums[0] += 1
-        sums[1] = self.decay * sums[1] + tokens
-        sums[2] = self.decay * sums[2] + seconds
+        (self.drafting if drafted else self.plain).add(seconds, tokens, self.decay)
 
     def rate(self, drafted: bool) -> float | None:
         """Tokens a second of recent draft-model (or plain) rounds, once there are min_rounds
         of them; else None."""
-        rounds, tokens, seconds = self.drafting if drafted else self.plain
-        return None if rounds < self.min_rounds else tokens / seconds
+        sums = self.drafting if drafted else self.plain
+        return None if sums.rounds < self.min_rounds else sums.tokens / sums.seconds
 
     def at_a_loss(self) -> bool:
         """Whether the draft model's rounds have given fewer tokens a second than plain ones."""
