@@ -60,6 +60,34 @@ def test_a_proposal_is_known_by_how_long_the_output_has_been_copying():
     assert PredictionLookup(1, prediction).propose(changed, 1).source == -5
 
 
+def test_where_the_prediction_has_nothing_the_output_is_looked_up():
+    """A change made twice (a line inserted before each of two copies of a block) is new text
+    the first time; the second time the prediction has no continuation for it, and a row's
+    lookup over its own text proposes what followed it the first time, as a lookup of its
+    n-gram's length (not a prediction's), leaving the prediction's cursor where it was."""
+    block, inserted = [7, 8, 9], [30, 31, 32, 33]
+    prediction = torch.tensor([1] + block + [2] + block + [3])
+    history = torch.tensor([0, 1] + inserted + block + [2, 30, 31])  # prompt [0]
+    assert len(PredictionLookup(1, prediction).propose(history, 3)) == 0
+    lookup = PredictionLookup(1, prediction, lookup=NgramDrafter())
+    lookup.cursor = 5
+    draft = lookup.propose(history, 3)
+    assert draft.tokens.tolist() == [32, 33, 7] and draft.source == 2
+    assert not is_prediction(draft.source) and lookup.cursor == 5
+    copying = torch.tensor([0, 1] + block)  # the prediction goes first where it has text
+    assert lookup.propose(copying, 2).source < 0
+
+
+def test_only_a_row_without_a_drafter_looks_its_own_text_up(text_target, tokenizer):
+    """A drafter's own lookup (or draft model) covers what the prediction has not; a row
+    without one gets the prediction's lookup over its own text."""
+    for drafter, looks_up in ((None, True), (NgramDrafter(), False)):
+        engine = SpeculativeDecoder(text_target, tokenizer, drafter, k="auto").engine()
+        engine.add_request(PROMPT, PARAMS, prediction="the cat sat")
+        (request,) = engine.scheduler.waiting
+        assert (request.prediction.lookup is not None) == looks_up
+
+
 def proposals_and_positions(monkeypatch) -> tuple[list[tuple[int, list[int]]], list[int]]:
     """Record, at every verification, each prediction proposal's (position, tokens) and every
     row's position (its history length), by wrapping the scheduler's call of `verify_drafts`."""

@@ -252,12 +252,19 @@ def check_requests_sharing_a_prefix_stay_on_one_replica(served, reference):
 
 
 def check_concurrent_requests_use_both_replicas_and_metrics_name_them(served, reference):
+    """Bursts of 32 requests with no shared prefix go to the least loaded replica as last
+    probed: under load a probe can come late and a whole burst land on one, so up to three
+    bursts are sent until both replicas served some."""
     prompts = [f"{SHORT[i % len(SHORT)]} ({i})" for i in range(32)]  # no shared prefix
-    with ThreadPoolExecutor(32) as pool:
-        responses = list(pool.map(lambda p: served.post({"prompt": p, "max_tokens": 8}),
-                                  prompts))
-    assert [r.status_code for r in responses] == [200] * 32
-    used = {r.headers["x-verispec-replica"] for r in responses}
+    used = set()
+    for _ in range(3):
+        with ThreadPoolExecutor(32) as pool:
+            responses = list(pool.map(lambda p: served.post({"prompt": p, "max_tokens": 8}),
+                                      prompts))
+        assert [r.status_code for r in responses] == [200] * 32
+        used |= {r.headers["x-verispec-replica"] for r in responses}
+        if len(used) == 2:
+            break
     assert len(used) == 2
     page = httpx.get(f"{served.url}/metrics", timeout=TIMEOUT).text
     counts = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()

@@ -33,6 +33,7 @@ import torch
 from verispec.config import DecodeConfig
 from verispec.cost_table import CostTable
 from verispec.drafters.drafter import Drafter
+from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.prediction import PredictionLookup
 from verispec.params import SamplingParams
 from verispec.planner import RoundPlanner
@@ -128,7 +129,10 @@ class Engine:
             text=TextStream(model.tokenizer, params.stop),
             budget=min(params.max_new_tokens, positions - int(prompt_ids.numel())))
         if prediction_ids is not None and prediction_ids.numel():
-            request.prediction = PredictionLookup(int(prompt_ids.numel()), prediction_ids)
+            # a row with no drafter looks up its own text too, where the prediction has nothing
+            lookup = NgramDrafter() if model.drafter is None else None
+            request.prediction = PredictionLookup(int(prompt_ids.numel()), prediction_ids,
+                                                  lookup=lookup)
             request.stats.prediction_tokens = int(prediction_ids.numel())
         self.scheduler.add(request)
         return request.request_id

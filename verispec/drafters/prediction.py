@@ -13,6 +13,13 @@ whatever the prediction says; only speed depends on it.
 A proposal's kind (Draft.source, whose acceptance the K policy learns apart) is how long the
 output has been copying the prediction at that place: a run of hundreds of copied tokens goes
 on far more surely than a 5-gram that happens to recur in a changed line, and earns a longer K.
+
+Where the output departs from the prediction it often repeats itself: one change made in
+every function of a file (a check added at the top of each, a type parameter on every method)
+is new text the first time and a copy of the output after. A row with no lookup of its own (no
+drafter) looks there too: where no n-gram of the output is in the prediction, the prompt and
+the output so far are searched as prompt lookup does (`NgramDrafter`), the proposal's kind its
+n-gram's length, as any lookup's.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.drafter import Draft, empty_draft
+from verispec.drafters.ngram import NgramDrafter
 
 # Draft.source of a proposal of the prediction's first tokens at the output's start (before any
 # n-gram of the output exists to match)
@@ -52,26 +60,36 @@ class PredictionLookup:
     the draft is [9]; the output copies the prediction's first 6 tokens there, a run of 6
     (source -5: runs under 8 are kinds by their n-gram). With the output empty, the draft is
     the prediction's start.
+
+    lookup: where given, searched when the prediction has no continuation (the prompt and the
+    output so far: `NgramDrafter.match`); for a row with no lookup of its own.
     """
 
     def __init__(self, prompt_length: int, prediction_ids: torch.Tensor,
-                 min_match: int = 2, max_ngram: int = 5) -> None:
+                 min_match: int = 2, max_ngram: int = 5,
+                 lookup: NgramDrafter | None = None) -> None:
         self.prompt_length = prompt_length
         self.prediction_ids = prediction_ids.long()  # [P]
         self.min_match, self.max_ngram = min_match, max_ngram
+        self.lookup = lookup
         self.cursor = 0  # the prediction position the output last continued from
 
     def propose(self, history: torch.Tensor, k: int) -> Draft:
         """Up to k tokens that follow, in the prediction, the output's longest matching recent
-        n-gram (history [L]: prompt + output so far); an empty draft where none matches or
-        the match ends the prediction."""
+        n-gram (history [L]: prompt + output so far); else, with a lookup, what followed the
+        history's last n-gram earlier in it; an empty draft where neither has any."""
         if k <= 0:
             return empty_draft()
         start, source = self._continuation(history[self.prompt_length:])
-        if start is None or start >= self.prediction_ids.numel():
+        if start is not None and start < self.prediction_ids.numel():
+            self.cursor = start
+            return Draft(self.prediction_ids[start: start + k].clone(), None, source=source)
+        if self.lookup is None:
             return empty_draft()
-        self.cursor = start
-        return Draft(self.prediction_ids[start: start + k].clone(), None, source=source)
+        end, n = self.lookup.match(history)
+        if n == 0:
+            return empty_draft()
+        return Draft(history[end + 1: end + 1 + k].clone(), None, source=n)
 
     def _continuation(self, output: torch.Tensor) -> tuple[int | None, int]:
         """Where in the prediction the output goes on, and the proposal's source."""
