@@ -240,7 +240,7 @@ def test_an_idle_engine_measures_and_a_request_interrupts_it(model_file, monkeyp
     model = tiny_llama(EOS_ID + 1, seed=3, dtype=torch.float32)
     decoder = SpeculativeDecoder(model, None, NgramDrafter(), k="auto", runtime="native",
                                  model_files=[model_file])
-    engine = EngineThread(decoder, max_batch=4)
+    engine = EngineThread(decoder, max_batch=4, measure_after_idle_s=0.05)
 
     async def serve_one() -> Event:
         engine.start()
@@ -260,3 +260,41 @@ def test_an_idle_engine_measures_and_a_request_interrupts_it(model_file, monkeyp
     engine.stop()
     assert attempts == [2, 2, 4]  # interrupted, measured again when idle, then the next size
     assert table(decoder.target, model_file, decoder.drafter, decoder.config).unmeasured(4) == []
+
+
+def test_an_engine_measures_only_after_a_quiet_spell(model_file, monkeypatch):
+    """Requests sent one after another, each within the idle wait of the last, never find a
+    measurement in their way: none starts until the engine has been idle that long."""
+    from verispec.server.worker import EngineThread
+
+    attempts = []
+
+    def batch(*args, batch, interrupt=None, **kwargs):
+        attempts.append((batch, time.monotonic()))
+        return BATCH
+
+    monkeypatch.setattr(table_module, "measure_costs", lambda *a, **k: ONE_ROW)
+    monkeypatch.setattr(table_module, "measure_batch_costs", batch)
+    model = tiny_llama(EOS_ID + 1, seed=3, dtype=torch.float32)
+    decoder = SpeculativeDecoder(model, None, NgramDrafter(), k="auto", runtime="native",
+                                 model_files=[model_file])
+    engine = EngineThread(decoder, max_batch=4, measure_after_idle_s=1.0)
+
+    async def one_after_another() -> float:
+        engine.start()
+        for _ in range(5):
+            handle = await engine.submit([5, 6, 7, 5, 6],
+                                         SamplingParams(max_new_tokens=2, ignore_eos=True))
+            while (await handle.next()).output is None:
+                pass
+            await asyncio.sleep(0.3)
+        return time.monotonic()
+
+    last = asyncio.run(one_after_another())
+    assert attempts == []
+    deadline = time.monotonic() + 30
+    while len(attempts) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.stop()
+    assert [size for size, _ in attempts] == [2, 4]
+    assert attempts[0][1] >= last + 0.5  # after the wait since the last request

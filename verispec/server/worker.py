@@ -6,10 +6,15 @@ The Engine is synchronous and not thread-safe, so a single thread runs it:
            2. one engine round over every running request
            3. hand each request's events to its asyncio queue (loop.call_soon_threadsafe)
 
-Idle, with no command waiting, it measures the cost models of the batch sizes that k="auto"
-prices and has not measured yet (nor found in the cost cache; `_measure_while_idle`), one at a
-time, smallest first. A command that arrives stops the measurement within one pass (the
-measurement asks between passes); the size is measured from the start at the next idle time.
+Idle, once no command has come for `measure_after_idle_s` seconds, it measures the cost models
+of the batch sizes that k="auto" prices and has not measured yet (nor found in the cost cache;
+`_measure_while_idle`), one at a time, smallest first. A command that arrives stops the
+measurement within one pass (the measurement asks between passes); the size is measured from
+the start at the next idle time. The wait keeps the measurement out of a client's way that
+sends one request after another: a request that arrives during a measurement waits for the
+pass in progress (up to a second for the Qwen2.5-Coder-1.5B at batch 16), and begun at once
+after each answer, that wait fell on every request (its first token 0.3-1.4 s late on a 2-core
+AMD EPYC).
 Rounds meanwhile price those sizes by estimates (verispec.cost_table). Measuring here, rather
 than at start or when a round first needs a size, keeps the start short and never stalls a
 round's streams for a measurement; measuring in this thread, rather than beside it, keeps one
@@ -36,6 +41,9 @@ from verispec.engine import Event
 from verispec.params import SamplingParams
 
 log = logging.getLogger("verispec")
+
+# Seconds without a command before an idle engine measures missing cost models (see above).
+MEASURE_AFTER_IDLE_S = 5.0
 
 
 class QueueFull(Exception):
@@ -88,11 +96,13 @@ class _Stop:
 class EngineThread:
     """The engine on its own thread; `submit` and `cancel` are called from the event loop."""
 
-    def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64) -> None:
+    def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64,
+                 measure_after_idle_s: float = MEASURE_AFTER_IDLE_S) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.decoder = decoder
         self.max_batch = max_batch
+        self.measure_after_idle_s = measure_after_idle_s
         self.capacity = max_batch + max_queue
         self._engine = decoder.engine(max_batch)
         self._commands: queue.Queue[_Add | _Cancel | _Stop] = queue.Queue()
@@ -143,8 +153,7 @@ class EngineThread:
             # 1. Commands: wait for one when idle (measuring meanwhile), else take those there.
             commands = []
             if not self._engine.has_work:
-                self._measure_while_idle()
-                commands.append(self._commands.get())
+                commands.append(self._next_command())
             while not self._commands.empty():
                 commands.append(self._commands.get_nowait())
             for command in commands:
@@ -159,18 +168,33 @@ class EngineThread:
             if self._engine.has_work:
                 self._step()
 
-    def _measure_while_idle(self) -> None:
-        """Measure the batch sizes' cost models still missing while no command waits (see the
-        module docstring). A size whose measurement fails is logged and left to estimates."""
+    def _next_command(self) -> _Add | _Cancel | _Stop:
+        """The next command, for an idle engine: what comes within measure_after_idle_s, else
+        what comes after (or during) the measurement of the cost models still missing."""
+        if self._measures():
+            try:
+                return self._commands.get(timeout=self.measure_after_idle_s)
+            except queue.Empty:
+                self._measure_while_idle()
+        return self._commands.get()
+
+    def _measures(self) -> bool:
+        """Whether some batch size's cost model is still to be measured (asked once)."""
         decoder = self.decoder
         if decoder.k != "auto" or decoder.drafter is None:
-            return
+            return False
         if self._to_measure is None:
             try:
                 self._to_measure = decoder.cost_table.unmeasured(self.max_batch)
             except Exception:
                 log.exception("could not tell which cost models to measure; estimates stay")
                 self._to_measure = []
+        return bool(self._to_measure)
+
+    def _measure_while_idle(self) -> None:
+        """Measure the batch sizes' cost models still missing while no command waits (see the
+        module docstring). A size whose measurement fails is logged and left to estimates."""
+        decoder = self.decoder
         while self._to_measure and self._commands.empty():
             size = self._to_measure[0]
             try:
