@@ -151,6 +151,18 @@ def test_chat_applies_the_template_to_all_messages(client, decoder):
     assert response.verispec["target_forwards"] >= 1
 
 
+def test_a_prediction_is_bounded_by_the_context_not_the_prompt_limit(decoder):
+    """A server's prompt limit bounds prompts; a prediction (the output expected) may be as long
+    as the context."""
+    prompts = Prompts(decoder, max_prompt_tokens=8)
+    text = "abc " * 10
+    with pytest.raises(APIError, match="prompt"):
+        prompts._completion_ids(text)
+    assert len(prompts._prediction_ids(text)) == len(text)
+    with pytest.raises(APIError, match="context"):
+        prompts._prediction_ids("x" * (prompts.context * prompts.max_token_bytes + 1))
+
+
 def test_chat_needs_a_chat_template(tokenizer, text_target):
     decoder = SpeculativeDecoder(text_target, tokenizer, None)  # the plain byte tokenizer
     with pytest.raises(APIError, match="no chat template"):

@@ -23,7 +23,6 @@ import torch
 
 from verispec.drafters.batch_drafting import propose_batch
 from verispec.drafters.drafter import Draft, catch_up, empty_draft, unread
-from verispec.drafters.prediction import is_prediction
 from verispec.planner import RoundPlan, RoundPlanner
 from verispec.request import Request, Round
 from verispec.runtime import batched_logits
@@ -105,8 +104,9 @@ def verify(requests: list[Request], rounds: list[Round], logits: list[torch.Tens
             request.policy.update_tree(float(draft.scores.exp().sum()), result.accepted)
         request.policy.update(draft.source, draft.depth, result.accepted)
         request.stats.record_source(draft.source, draft.depth, result.accepted)
-        if is_prediction(draft.source):
-            request.stats.accepted_prediction_tokens += result.accepted
+        if request.prediction is not None:
+            request.prediction.record(result.tokens)
+            request.stats.accepted_prediction_tokens = request.prediction.copied
     return verified
 
 

@@ -36,8 +36,9 @@ class GenerationStats:
     wall_s: float
     tokens_per_s: float
     verify: str = "greedy"  # what verified the drafts: greedy, block, token or invariant
-    # Predicted Outputs: the prediction's length, and how many of its tokens were accepted as
-    # drafts (the rest: rejected_prediction_tokens, as OpenAI counts them)
+    # Predicted Outputs: the prediction's length, and how many of its tokens the output copied
+    # (appeared in it, each once: `PredictionLookup.copied`); the rest:
+    # rejected_prediction_tokens, as OpenAI counts them
     prediction_tokens: int = 0
     accepted_prediction_tokens: int = 0
     # By kind of proposal ("model", "lookup", "prediction"): the rounds it drafted, its tokens

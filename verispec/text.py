@@ -3,8 +3,10 @@ ids to text as it streams, with stop strings (`TextStream`)."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -29,10 +31,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, cha
         else:
             ids = tokenizer(prompt)["input_ids"]
     else:
-        ids = list(prompt)
+        ids = _id_list(prompt, vocab_size, "prompt")
         if not ids:
             raise ValueError("prompt is empty")
-        _check_ids(ids, vocab_size, "prompt")
     if len(ids) >= max_positions:
         raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's context "
                          f"of {max_positions}")
@@ -48,15 +49,25 @@ def encode_prediction(tokenizer: PreTrainedTokenizerBase | None, prediction: Pro
             raise ValueError("this model has no tokenizer: give the prediction as token ids")
         ids = tokenizer(prediction, add_special_tokens=False)["input_ids"]
     else:
-        ids = list(prediction)
-        _check_ids(ids, vocab_size, "prediction")
+        ids = _id_list(prediction, vocab_size, "prediction")
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _check_ids(ids: list, vocab_size: int, what: str) -> None:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-               for t in ids):
+def _id_list(ids: object, vocab_size: int, what: str) -> list[int]:
+    """Token ids given as a list or tuple of integers, or a 1-D integer tensor or NumPy array ->
+    a list of ints; anything else (a number, bytes, a set, floats, ids out of [0, vocab_size))
+    raises ValueError naming `what`."""
+    if isinstance(ids, torch.Tensor | np.ndarray) and ids.ndim == 1 and \
+            (ids.dtype.kind in "iu" if isinstance(ids, np.ndarray) else
+             not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)):
+        ids = ids.tolist()
+    if not isinstance(ids, list | tuple):
+        raise ValueError(f"{what} must be text or a list of token ids, not "
+                         f"{type(ids).__name__}")
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool | np.bool_) and
+               0 <= t < vocab_size for t in ids):
         raise ValueError(f"{what} token ids must be integers in [0, {vocab_size})")
+    return [int(t) for t in ids]
 
 
 class TextStream:

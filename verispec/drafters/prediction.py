@@ -63,6 +63,13 @@ class PredictionLookup:
 
     lookup: where given, searched when the prediction has no continuation (the prompt and the
     output so far: `NgramDrafter.match`); for a row with no lookup of its own.
+
+    It also counts the prediction's tokens that the output copies (`copied`: OpenAI's accepted
+    prediction tokens, "tokens in the prediction that appeared in the completion"): each round
+    the tokens the output writes from where it goes on in the prediction, as far as they equal
+    the prediction's (`record`), whoever proposed them (a draft, or the target's own token);
+    each prediction position once. A perfect prediction is then copied whole, the target's
+    token after each fully accepted proposal included.
     """
 
     def __init__(self, prompt_length: int, prediction_ids: torch.Tensor,
@@ -73,15 +80,26 @@ class PredictionLookup:
         self.min_match, self.max_ngram = min_match, max_ngram
         self.lookup = lookup
         self.cursor = 0  # the prediction position the output last continued from
+        # where the output goes on in the prediction at this round's start (None: nowhere)
+        self.continued: int | None = None
+        self.used = torch.zeros(self.prediction_ids.numel(), dtype=torch.bool)  # [P] copied
+
+    @property
+    def copied(self) -> int:
+        """How many of the prediction's tokens the output has copied so far."""
+        return int(self.used.sum())
 
     def propose(self, history: torch.Tensor, k: int) -> Draft:
         """Up to k tokens that follow, in the prediction, the output's longest matching recent
         n-gram (history [L]: prompt + output so far); else, with a lookup, what followed the
-        history's last n-gram earlier in it; an empty draft where neither has any."""
+        history's last n-gram earlier in it; an empty draft where neither has any. Called once
+        a round (k 0 too: where the output goes on is noted for `record`)."""
+        start, source = self._continuation(history[self.prompt_length:])
+        has_text = start is not None and start < self.prediction_ids.numel()
+        self.continued = start if has_text else None
         if k <= 0:
             return empty_draft()
-        start, source = self._continuation(history[self.prompt_length:])
-        if start is not None and start < self.prediction_ids.numel():
+        if has_text:
             self.cursor = start
             return Draft(self.prediction_ids[start: start + k].clone(), None, source=source)
         if self.lookup is None:
@@ -91,10 +109,27 @@ class PredictionLookup:
             return empty_draft()
         return Draft(history[end + 1: end + 1 + k].clone(), None, source=n)
 
+    def record(self, tokens: list[int]) -> None:
+        """A round wrote `tokens` after the history its proposal was made for: those that equal
+        the prediction from where the output went on (`continued`) are copies of it."""
+        if self.continued is None:
+            return
+        for offset, token in enumerate(tokens):
+            position = self.continued + offset
+            if position >= self.used.numel() or int(self.prediction_ids[position]) != token:
+                break
+            self.used[position] = True
+
     def _continuation(self, output: torch.Tensor) -> tuple[int | None, int]:
-        """Where in the prediction the output goes on, and the proposal's source."""
+        """Where in the prediction the output goes on, and the proposal's source. An output
+        too short for an n-gram that is so far the prediction's opening goes on after it."""
         if output.numel() == 0:
             return 0, FROM_START
+        if output.numel() < self.min_match:
+            opening = self.prediction_ids[: output.numel()]
+            if opening.numel() == output.numel() and bool((opening == output).all()):
+                return int(output.numel()), FROM_START
+            return None, 0
         prediction = self.prediction_ids
         for n in range(min(self.max_ngram, int(output.numel()), int(prediction.numel())),
                        self.min_match - 1, -1):

@@ -91,7 +91,7 @@ class Prompts:
                                           ["input_ids"]))
 
     def _prediction_ids(self, text: str) -> list[int]:
-        self._check_text(text, param="prediction")
+        self._check_text(text, param="prediction", tokens=self.context)
         try:
             ids = self.decoder.encode_prediction(text).tolist()
         except ValueError as err:
@@ -107,17 +107,22 @@ class Prompts:
         except ValueError as err:  # empty, ids outside the vocabulary
             raise APIError(400, str(err), param="prompt") from None
 
-    def _check_text(self, text: str, param: str = "prompt") -> None:
+    def _check_text(self, text: str, param: str = "prompt", tokens: int | None = None) -> None:
+        """Refuse, before tokenising, text that is not valid Unicode or has more bytes than
+        `tokens` tokens could hold (default the prompt limit; a prediction's is the context)."""
         try:
             size = len(text.encode("utf-8"))
         except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer takes it
             raise APIError(400, f"the {param} is not valid Unicode: {err.reason} at character "
                                 f"{err.start}", param=param) from None
-        if self.max_token_bytes and size > self.max_prompt_tokens * self.max_token_bytes:
-            raise APIError(400, f"the {param}'s {size} bytes of text cannot fit in "
-                                f"{self.max_prompt_tokens} tokens (this server's prompt limit; "
-                                f"the model's context is {self.context})", param=param,
-                           code=TOO_LONG)
+        if tokens is None:
+            tokens, limit = self.max_prompt_tokens, "this server's prompt limit; "
+        else:
+            limit = ""
+        if self.max_token_bytes and size > tokens * self.max_token_bytes:
+            raise APIError(400, f"the {param}'s {size} bytes of text cannot fit in {tokens} "
+                                f"tokens ({limit}the model's context is {self.context})",
+                           param=param, code=TOO_LONG)
 
     def _checked(self, ids: list[int]) -> list[int]:
         if len(ids) > self.max_prompt_tokens:
