@@ -132,6 +132,17 @@ def test_bad_input_is_refused_at_submission(url, app, name, fields, endpoint, st
     assert submitted == [] and engine.outstanding == 0  # refused before the engine
 
 
+def test_a_lone_surrogate_in_a_prediction_is_named_alone(url):
+    """A union field (text, or a list of text parts) whose text member refused the value says
+    why, without the list member's complaint."""
+    response, _ = post(url, {"model": MODEL, "prompt": "hi",
+                             "prediction": {"type": "content", "content": "a\ud800b"}},
+                       "/v1/completions")
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prediction"
+    assert "not valid Unicode" in error["message"] and "valid list" not in error["message"]
+
+
 def test_a_lone_surrogate_keeps_the_connection(url):
     bad = json.dumps({"model": MODEL, "prompt": "a\ud800b"}).encode()
     assert exchange(url, [raw_post("/v1/completions", bad), HEALTH]) == [

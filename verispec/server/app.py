@@ -264,6 +264,13 @@ def add_error_handlers(app: FastAPI) -> None:
         # part naming the member ("str", "list[int]", "function-after[unicode_only(), str]")
         paths = [".".join(str(part) for part in e["loc"][1:] if not _names_a_type(part))
                  for e in errors]
+        # where a member's own check refused the value (a lone surrogate in a string), the
+        # other members' "should be a valid list" says nothing: only the check is reported
+        checked = {path for path, e in zip(paths, errors, strict=True)
+                   if e["type"] == "value_error"}
+        kept = [(path, e) for path, e in zip(paths, errors, strict=True)
+                if path not in checked or e["type"] == "value_error"]
+        paths, errors = [path for path, _ in kept], [e for _, e in kept]
         texts = [e["msg"].removeprefix("Value error, ") for e in errors]
         message = "; ".join(f"{path}: {text}" if path else text
                             for path, text in zip(paths[:3], texts, strict=False))
