@@ -483,6 +483,24 @@ def test_a_draft_model_pays_for_reading_what_other_sources_write():
     assert share * 512 * (1 - 1 / rate) > prices.catch_up(215)
 
 
+def test_a_few_rounds_a_prediction_leaves_do_not_call_the_draft_model_back():
+    """The draft model's share of the output is taken over many rounds: a changed line of a
+    code edit (a few rounds the prediction has nothing for) after a long copied stretch does
+    not make it read the ~80 tokens the prediction wrote since it last drafted; a long
+    stretch of such rounds does."""
+    prices = dataclasses.replace(costs(0.25, [1.0, 1.05, 1.18, 1.3, 1.38]),
+                                 draft_catch_up_s=0.0019, target_step_s=0.0335)
+    predicted = AdaptiveK.for_request(DecodeConfig(), predicted=True)
+    for _ in range(40):
+        predicted.update(-32, 6, 6)  # the prediction writes 7 tokens a round
+    for _ in range(8):
+        predicted.update(0, 0, 0)  # a changed line: rounds left to the draft model
+    assert not predicted.catch_up_pays(prices, lag=80, remaining=400)
+    for _ in range(60):
+        predicted.update(0, 0, 0)
+    assert predicted.catch_up_pays(prices, lag=80, remaining=400)
+
+
 def test_a_batch_catches_up_by_what_its_draft_model_has_shown_not_by_the_prior():
     """In a batch every lagging row's draft model catches up at once, at the batch's prices
     and margin. One whose rounds priced it out (acceptance ~2/3, where a batch of 4 needs

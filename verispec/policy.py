@@ -169,9 +169,9 @@ class AdaptiveK:
     # prediction proposed): how much of the output a draft model that lags behind would speed
     # up once it has caught up, and how much of it, written by the others, it would have to
     # read on the way (`catch_up_pays`). A row with a prediction starts low: the prediction is
-    # expected to write most of its output.
-    model_rounds: AcceptanceEstimate = field(
-        default_factory=lambda: AcceptanceEstimate(prior=1.0))
+    # expected to write most of its output. Estimated over about as long as it is extrapolated
+    # to (`model_share`).
+    model_rounds: AcceptanceEstimate = field(default_factory=lambda: model_share(1.0))
     # Acceptance by source over the decoder's earlier requests (shared by their policies, one
     # table per kind of row): a new request's estimate of a source starts from it instead of
     # the fixed prior, so a short request already trusts the long lookups others found good.
@@ -186,7 +186,7 @@ class AdaptiveK:
         shared: the decoder's acceptance by source over earlier requests (`shared_estimates`)."""
         policy = cls(config, sampling=sampling, shared=shared)
         if predicted:
-            policy.model_rounds = AcceptanceEstimate(prior=0.25)
+            policy.model_rounds = model_share(0.25)
         return policy
 
     def gamma(self, source: int = 0) -> float:
@@ -363,6 +363,21 @@ class AdaptiveK:
 # A probe that finds its source still priced out doubles the wait before the next, up to this
 # many times DecodeConfig.probe_every.
 MAX_PROBE_GAPS = 16
+
+
+# How fast the share of the output the draft model's rounds write forgets (a round's weight).
+SHARE_DECAY = 0.98
+
+
+def model_share(prior: float) -> AcceptanceEstimate:
+    """The share of a row's output its draft model's rounds write (`AdaptiveK.model_rounds`),
+    over the last ~50 rounds: it is extrapolated over up to catch_up_horizon tokens, and
+    estimated over the last few rounds, as acceptance is, it followed every stretch a
+    prediction had nothing for (a changed line of a code edit: a few rounds) and called the
+    draft model back to read all the prediction had written since it last drafted (on three
+    code edits, the 1.5B's 0.5B draft read 397 tokens in five such rounds, 1.1 s, for 25
+    tokens)."""
+    return AcceptanceEstimate(prior, prior_weight=2.0, decay=SHARE_DECAY)
 
 
 def shared_estimate(prior: float) -> AcceptanceEstimate:
