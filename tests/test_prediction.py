@@ -183,6 +183,21 @@ def test_greedy_output_is_the_same_with_any_prediction(text_target, tokenizer, k
             assert tally == 0
 
 
+def test_prediction_tokens_past_a_stop_string_are_not_counted(text_target, tokenizer):
+    """A round may accept a prediction past the stop string the output ends at: the tokens the
+    stop cuts off are not in the completion, and do not count as copied."""
+    plain = SpeculativeDecoder(text_target, tokenizer, None)
+    whole = plain.generate(PROMPT, PARAMS)
+    text = whole.text
+    start = next(i for i in range(10, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=(text[start:start + 2],))
+    decoder = SpeculativeDecoder(text_target, tokenizer, None, k="auto")
+    out = decoder.generate(PROMPT, params, prediction=whole.token_ids)
+    assert out.token_ids == plain.generate(PROMPT, params).token_ids
+    assert len(out.token_ids) < len(whole.token_ids)
+    assert out.stats.accepted_prediction_tokens <= len(out.token_ids)
+
+
 V = 8
 PROMPT_IDS = [1, 2, 3, 1, 2]
 N = 3000

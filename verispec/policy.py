@@ -371,12 +371,12 @@ SHARE_DECAY = 0.98
 
 def model_share(prior: float) -> AcceptanceEstimate:
     """The share of a row's output its draft model's rounds write (`AdaptiveK.model_rounds`),
-    over the last ~50 rounds: it is extrapolated over up to catch_up_horizon tokens, and
-    estimated over the last few rounds, as acceptance is, it followed every stretch a
+    over the last ~50 rounds, for every row: it is extrapolated over up to catch_up_horizon
+    tokens. Estimated over the last few rounds, as acceptance is, it followed every stretch a
     prediction had nothing for (a changed line of a code edit: a few rounds) and called the
-    draft model back to read all the prediction had written since it last drafted (on three
-    code edits, the 1.5B's 0.5B draft read 397 tokens in five such rounds, 1.1 s, for 25
-    tokens)."""
+    draft model back to read all the prediction had written since it last drafted: on three
+    code edits the 1.5B's 0.5B draft read 397 tokens in five such rounds, 1.1 s, for 25
+    tokens."""
     return AcceptanceEstimate(prior, prior_weight=2.0, decay=SHARE_DECAY)
 
 

@@ -104,9 +104,6 @@ def verify(requests: list[Request], rounds: list[Round], logits: list[torch.Tens
             request.policy.update_tree(float(draft.scores.exp().sum()), result.accepted)
         request.policy.update(draft.source, draft.depth, result.accepted)
         request.stats.record_source(draft.source, draft.depth, result.accepted)
-        if request.prediction is not None:
-            request.prediction.record(result.tokens)
-            request.stats.accepted_prediction_tokens = request.prediction.copied
     return verified
 
 

@@ -54,20 +54,26 @@ def encode_prediction(tokenizer: PreTrainedTokenizerBase | None, prediction: Pro
 
 
 def _id_list(ids: object, vocab_size: int, what: str) -> list[int]:
-    """Token ids given as a list or tuple of integers, or a 1-D integer tensor or NumPy array ->
-    a list of ints; anything else (a number, bytes, a set, floats, ids out of [0, vocab_size))
-    raises ValueError naming `what`."""
-    if isinstance(ids, torch.Tensor | np.ndarray) and ids.ndim == 1 and \
-            (ids.dtype.kind in "iu" if isinstance(ids, np.ndarray) else
-             not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)):
+    """Token ids given as a sequence of integers (a list, a tuple, a range), or a 1-D integer
+    tensor or NumPy array -> a list of ints; anything else (a number, bytes, a set, floats,
+    ids out of [0, vocab_size)) raises ValueError naming `what`."""
+    if _integer_vector(ids):
         ids = ids.tolist()
-    if not isinstance(ids, list | tuple):
+    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes | bytearray):
         raise ValueError(f"{what} must be text or a list of token ids, not "
                          f"{type(ids).__name__}")
     if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool | np.bool_) and
                0 <= t < vocab_size for t in ids):
         raise ValueError(f"{what} token ids must be integers in [0, {vocab_size})")
     return [int(t) for t in ids]
+
+
+def _integer_vector(ids: object) -> bool:
+    """Whether ids is a 1-D tensor or NumPy array of integers."""
+    if isinstance(ids, np.ndarray):
+        return ids.ndim == 1 and ids.dtype.kind in "iu"
+    return isinstance(ids, torch.Tensor) and ids.dim() == 1 and not (
+        ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
 
 
 class TextStream:

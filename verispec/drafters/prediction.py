@@ -119,6 +119,7 @@ class PredictionLookup:
             if position >= self.used.numel() or int(self.prediction_ids[position]) != token:
                 break
             self.used[position] = True
+        self.continued = None  # a round is recorded once, against its own proposal
 
     def _continuation(self, output: torch.Tensor) -> tuple[int | None, int]:
         """Where in the prediction the output goes on, and the proposal's source. An output

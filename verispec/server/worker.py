@@ -6,9 +6,9 @@ The Engine is synchronous and not thread-safe, so a single thread runs it:
            2. one engine round over every running request
            3. hand each request's events to its asyncio queue (loop.call_soon_threadsafe)
 
-Idle, once no command has come for `measure_after_idle_s` seconds, it measures the cost models
-of the batch sizes that k="auto" prices and has not measured yet (nor found in the cost cache;
-`_measure_while_idle`), one at a time, smallest first. A command that arrives stops the
+Once it has been idle, with no command, for `measure_after_idle_s` seconds, it measures the
+cost models of the batch sizes that k="auto" prices and has not measured yet (nor found in the
+cost cache; `_measure_while_idle`), one at a time, smallest first. A command that arrives stops the
 measurement within one pass (the measurement asks between passes); the size is measured from
 the start at the next idle time. The wait keeps the measurement out of a client's way that
 sends one request after another: a request that arrives during a measurement waits for the
