@@ -218,11 +218,24 @@ def test_verispec_costs_measures_afresh_and_refreshes_the_cache(model_folders, m
     assert len(measured) == 4  # read, not measured
 
 
+def engine_measuring_with(measure_batch, model_file, monkeypatch, measure_after_idle_s: float):
+    """(decoder, engine thread) of a tiny model with an n-gram drafter and k="auto", its one-row
+    model given and its batch sizes measured by `measure_batch`, once idle that long."""
+    from verispec.server.worker import EngineThread
+
+    monkeypatch.setattr(table_module, "measure_costs", lambda *a, **k: ONE_ROW)
+    monkeypatch.setattr(table_module, "measure_batch_costs", measure_batch)
+    model = tiny_llama(EOS_ID + 1, seed=3, dtype=torch.float32)
+    decoder = SpeculativeDecoder(model, None, NgramDrafter(), k="auto", runtime="native",
+                                 model_files=[model_file])
+    return decoder, EngineThread(decoder, max_batch=4,
+                                 measure_after_idle_s=measure_after_idle_s)
+
+
 def test_an_idle_engine_measures_and_a_request_interrupts_it(model_file, monkeypatch):
     """The engine measures the missing batch sizes while idle; a request that arrives stops
     the measurement (it asks between passes) and is served; the size is measured later."""
     from verispec.engine import Event
-    from verispec.server.worker import EngineThread
 
     started, attempts = threading.Event(), []
 
@@ -235,12 +248,7 @@ def test_an_idle_engine_measures_and_a_request_interrupts_it(model_file, monkeyp
             raise MeasurementInterrupted
         return BATCH
 
-    monkeypatch.setattr(table_module, "measure_costs", lambda *a, **k: ONE_ROW)
-    monkeypatch.setattr(table_module, "measure_batch_costs", slow_batch)
-    model = tiny_llama(EOS_ID + 1, seed=3, dtype=torch.float32)
-    decoder = SpeculativeDecoder(model, None, NgramDrafter(), k="auto", runtime="native",
-                                 model_files=[model_file])
-    engine = EngineThread(decoder, max_batch=4, measure_after_idle_s=0.05)
+    decoder, engine = engine_measuring_with(slow_batch, model_file, monkeypatch, 0.05)
 
     async def serve_one() -> Event:
         engine.start()
@@ -265,20 +273,13 @@ def test_an_idle_engine_measures_and_a_request_interrupts_it(model_file, monkeyp
 def test_an_engine_measures_only_after_a_quiet_spell(model_file, monkeypatch):
     """Requests sent one after another, each within the idle wait of the last, never find a
     measurement in their way: none starts until the engine has been idle that long."""
-    from verispec.server.worker import EngineThread
-
     attempts = []
 
     def batch(*args, batch, interrupt=None, **kwargs):
         attempts.append((batch, time.monotonic()))
         return BATCH
 
-    monkeypatch.setattr(table_module, "measure_costs", lambda *a, **k: ONE_ROW)
-    monkeypatch.setattr(table_module, "measure_batch_costs", batch)
-    model = tiny_llama(EOS_ID + 1, seed=3, dtype=torch.float32)
-    decoder = SpeculativeDecoder(model, None, NgramDrafter(), k="auto", runtime="native",
-                                 model_files=[model_file])
-    engine = EngineThread(decoder, max_batch=4, measure_after_idle_s=1.0)
+    _, engine = engine_measuring_with(batch, model_file, monkeypatch, 1.0)
 
     async def one_after_another() -> float:
         engine.start()

@@ -217,7 +217,7 @@ class Engine:
         piece = text.add(new_ids)
         kept = text.ids[start: text.num_tokens] if text.stopped else new_ids
         if request.prediction is not None:  # the round's tokens the output keeps
-            request.prediction.record(list(kept))
+            request.prediction.record(kept)
             request.stats.accepted_prediction_tokens = request.prediction.copied
         if text.stopped:
             new_ids = kept

@@ -28,6 +28,9 @@ import torch
 
 from verispec.drafters.drafter import Draft, empty_draft
 from verispec.drafters.ngram import NgramDrafter
+from verispec.params import SamplingParams
+
+GREEDY = SamplingParams()  # what a lookup asked through the drafter protocol is given
 
 # Draft.source of a proposal of the prediction's first tokens at the output's start (before any
 # n-gram of the output exists to match)
@@ -61,8 +64,8 @@ class PredictionLookup:
     (source -5: runs under 8 are kinds by their n-gram). With the output empty, the draft is
     the prediction's start.
 
-    lookup: where given, searched when the prediction has no continuation (the prompt and the
-    output so far: `NgramDrafter.match`); for a row with no lookup of its own.
+    lookup: where given, asked when the prediction has no continuation (the prompt and the
+    output so far); for a row with no lookup of its own.
 
     It also counts the prediction's tokens that the output copies (`copied`: OpenAI's accepted
     prediction tokens, "tokens in the prediction that appeared in the completion"): each round
@@ -82,12 +85,12 @@ class PredictionLookup:
         self.cursor = 0  # the prediction position the output last continued from
         # where the output goes on in the prediction at this round's start (None: nowhere)
         self.continued: int | None = None
-        self.used = torch.zeros(self.prediction_ids.numel(), dtype=torch.bool)  # [P] copied
+        self.used: set[int] = set()  # the prediction positions the output copied
 
     @property
     def copied(self) -> int:
         """How many of the prediction's tokens the output has copied so far."""
-        return int(self.used.sum())
+        return len(self.used)
 
     def propose(self, history: torch.Tensor, k: int) -> Draft:
         """Up to k tokens that follow, in the prediction, the output's longest matching recent
@@ -104,21 +107,18 @@ class PredictionLookup:
             return Draft(self.prediction_ids[start: start + k].clone(), None, source=source)
         if self.lookup is None:
             return empty_draft()
-        end, n = self.lookup.match(history)
-        if n == 0:
-            return empty_draft()
-        return Draft(history[end + 1: end + 1 + k].clone(), None, source=n)
+        return self.lookup.propose(history, k, GREEDY, None)  # its params go unread
 
     def record(self, tokens: list[int]) -> None:
         """A round wrote `tokens` after the history its proposal was made for: those that equal
         the prediction from where the output went on (`continued`) are copies of it."""
         if self.continued is None:
             return
-        for offset, token in enumerate(tokens):
-            position = self.continued + offset
-            if position >= self.used.numel() or int(self.prediction_ids[position]) != token:
+        ahead = self.prediction_ids[self.continued: self.continued + len(tokens)].tolist()
+        for offset, (token, predicted) in enumerate(zip(tokens, ahead, strict=False)):
+            if token != predicted:
                 break
-            self.used[position] = True
+            self.used.add(self.continued + offset)
         self.continued = None  # a round is recorded once, against its own proposal
 
     def _continuation(self, output: torch.Tensor) -> tuple[int | None, int]:
