@@ -109,9 +109,11 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="seconds the requests in flight get to finish after SIGTERM or "
                             "Ctrl-C, then they are cancelled (default 10)")
     serve.add_argument("--suffix-cache", default="per-key", choices=("per-key", "shared", "off"),
-                       help="whose earlier prompts and outputs a cross-request lookup (--draft "
-                            "suffix) may propose to a request: per-key (default: requests with "
-                            "the same API key), shared (every request), off (none)")
+                       help="whose earlier prompts and outputs may serve a request: the "
+                            "cross-request lookup proposes from them, and a prompt that starts "
+                            "as one of them starts from its cached keys and values (GGUF "
+                            "models): per-key (default: requests with the same API key), "
+                            "shared (every request), off (none)")
     ray = serve.add_argument_group("several machines (Ray Serve; pip install 'verispec[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve from replicas on a Ray cluster, requests that share a prompt "

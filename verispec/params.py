@@ -35,12 +35,15 @@ class SamplingParams:
             plain sampling with this seed, alone or in any batch, with any drafter or K. It
             needs a seed (the noise is a function of it): without one it is refused.
 
-    lookup_scope names whose earlier text a drafter with a cross-request cache
-    (verispec.drafters.SuffixDrafter) may propose to this request, and where its own prompt and
-    output go when it ends: requests of one scope share (default "": one scope for the
-    process); None: its own text only, and it leaves nothing behind. The output is the same
-    whatever the scope (the target verifies every token); only speed, and which text a draft
-    is built from, depend on it. A server sets it per API key (`verispec serve --suffix-cache`).
+    lookup_scope names whose earlier requests may speed this one: the text a drafter with a
+    cross-request cache (verispec.drafters.SuffixDrafter) may propose to it, and the cached
+    keys and values of a prompt start it shares with them (`verispec.scheduler`, where the
+    target's caches are exact); and where its own prompt and output go when it ends: requests
+    of one scope share (default "": one scope for the process); None: its own text only, and it
+    leaves nothing behind. The output is the same whatever the scope (the target verifies every
+    token; a reused cache holds the bits a fresh pass would write); only speed, and which text
+    a draft is built from, depend on it. A server sets it per API key (`verispec serve
+    --suffix-cache`).
     """
 
     max_new_tokens: int = 128

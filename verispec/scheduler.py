@@ -6,17 +6,37 @@ slots are free (up to max_batch running), each with a target runner and a drafte
 still to feed takes the next chunk this round (`DecodeConfig.chunk_at`), the others decode. A
 long prompt arriving in a running batch so delays the other rows' rounds by one chunk's pass,
 not its whole pass. The scheduler knows nothing of drafting, verification or text.
+
+Prefix reuse. Where the target's caches are exact for any cut into passes
+(`Runner.exact_prefixes`: GGUF models on the native runtime), a pooled runner keeps what its
+last request left, and a joining request takes the free one whose cache holds the longest start
+of its prompt (a system prompt, the earlier turns of a conversation, a file sent again) and
+feeds only the rest. Its output is the same bits as from an empty cache. Only requests of one
+`SamplingParams.lookup_scope` share (a server's API key; None: none), and a pool keeps up to
+max_batch caches, the least recently used one emptied for a prompt that matches none.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
 from verispec.drafters.drafter import Drafter, follow_target, retire
 from verispec.request import Request
 from verispec.runtime import Runner, common_prefix
+
+KEEP_SLACK = 16  # tokens of a free cache a request may drop and still take it as it is
+
+
+@dataclass(slots=True)
+class _Slot:
+    """A free row's runner and drafter, and the lookup scope of the request that had them."""
+
+    runner: Runner
+    drafter: Drafter | None
+    scope: str | None
 
 
 class Scheduler:
@@ -34,8 +54,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._own_runners: list[Runner] = list(runners)
         self._own_drafters: list[Drafter] = list(drafters)
-        self._free_runners: list[Runner] = []
-        self._free_drafters: list[Drafter] = []
+        self._free: list[_Slot] = []  # least recently freed first
+        self._pooled = 0  # runners made for the pool
 
     @property
     def has_work(self) -> bool:
@@ -79,32 +99,66 @@ class Scheduler:
         """A row leaves (finished, failed or cancelled): its runner and drafter go back to the
         pool."""
         self.running.remove(request)
-        self._free_runners.append(request.runner)
         if request.drafter is not None:
             retire(request.drafter, request.history, request.params)
-            self._free_drafters.append(request.drafter)
+        self._free.append(_Slot(request.runner, request.drafter, request.params.lookup_scope))
 
     def _admit(self, request: Request) -> None:
         """A row joins with a runner and drafter of its own. Own ones keep their caches, so a
-        prompt sharing a prefix with the previous one reuses it; a pooled one starts empty, so
-        a row's output never depends on which request had its runner before (a prompt pass's
-        keys and values need not be the same bits as the same positions computed in another
-        prompt's pass)."""
-        request.runner = _take(self._own_runners, self._free_runners, self.target.sibling)
-        if self.drafter is not None:
-            request.drafter = _take(self._own_drafters, self._free_drafters,
-                                    self.drafter.fork)
-            follow_target(request.drafter, request.runner)
+        prompt sharing a prefix with the previous one reuses it. A pooled one keeps its cache
+        where that is exact (the module docstring); else it starts empty, so a row's output
+        never depends on which request had its runner before (a prompt pass's keys and values
+        need not be the same bits as the same positions computed in another prompt's pass)."""
+        if self._own_runners:
+            request.runner = self._own_runners.pop()
+            request.drafter = self._own_drafters.pop() if self._own_drafters else None
+        else:
+            slot, shared = self._take(request)
+            request.runner, request.drafter = slot.runner, slot.drafter
+            # a drafter's state is kept for greedy rows only: their output is the target's
+            # whatever is proposed, where a seeded sampled row's draws follow its drafts,
+            # which must not depend on the requests before it
+            if request.drafter is not None and not (shared and request.params.greedy):
+                request.drafter.reset()
+        if request.drafter is None and self.drafter is not None:
+            request.drafter = self.drafter.fork()
+            request.drafter.reset()
+        follow_target(request.drafter, request.runner)
         # what the runner holds of this prompt already; its rounds feed the rest
         request.prompt_fed = common_prefix(request.runner.cached_ids, request.prompt_ids)
+        request.stats.cached_prompt_tokens = min(request.prompt_fed, request.context - 1)
         self.running.append(request)
 
+    def _take(self, request: Request) -> tuple[_Slot, bool]:
+        """A pooled slot for a joining request, and whether its state is kept (else reset
+        both, the runner perhaps holding a copied prefix).
 
-def _take(own: list, free: list, make):
-    """A runner or drafter for a joining row: an own one as it is (its cache kept), else a
-    pooled or new one, emptied."""
-    if own:
-        return own.pop()
-    item = free.pop() if free else make()
-    item.reset()
-    return item
+        Where caches are exact, the free slot of the request's scope whose cache holds the
+        longest start of the prompt serves it: taken as it is when the prompt goes on from all
+        it holds but KEEP_SLACK tokens at most (the next turn of its conversation, whose
+        template may close the last answer otherwise than it was generated), else copied into
+        a new slot while the pool has fewer than max_batch, or into the least recently freed
+        one, so that what it holds past the shared start stays for the request it belongs to.
+        No match: a new slot, or the least recently freed one emptied."""
+        scope, prompt = request.params.lookup_scope, request.prompt_ids
+        exact = self.target.exact_prefixes and scope is not None
+        best, longest = None, 0
+        for slot in self._free if exact else ():
+            shared = common_prefix(slot.runner.cached_ids, prompt) if slot.scope == scope else 0
+            if shared > longest:
+                best, longest = slot, shared
+        if best is not None and (best.runner.cached_length - longest <= KEEP_SLACK or
+                                 (self._pooled >= self.max_batch and self._free[0] is best)):
+            self._free.remove(best)
+            return best, True
+        if self._free and not (exact and self._pooled < self.max_batch):
+            slot = self._free.pop(0 if exact else -1)
+        else:
+            self._pooled += 1
+            drafter = None if self.drafter is None else self.drafter.fork()
+            slot = _Slot(self.target.sibling(), drafter, scope)
+        if best is not None:
+            slot.runner.copy_prefix(best.runner, longest)
+            return slot, False
+        slot.runner.reset()
+        return slot, False

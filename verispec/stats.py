@@ -41,6 +41,9 @@ class GenerationStats:
     # rejected_prediction_tokens, as OpenAI counts them
     prediction_tokens: int = 0
     accepted_prediction_tokens: int = 0
+    # prompt tokens whose keys and values a cache already held (an earlier request's on the
+    # same runner: `verispec.scheduler`), not computed again; OpenAI's cached_tokens
+    cached_prompt_tokens: int = 0
     # By kind of proposal ("model", "lookup", "prediction"): the rounds it drafted, its tokens
     # verified (a tree: its depth) and accepted
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -61,6 +64,7 @@ class StatsRecorder:
     verify: str = "greedy"
     prediction_tokens: int = 0
     accepted_prediction_tokens: int = 0
+    cached_prompt_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     new_tokens: int = 0
@@ -129,5 +133,6 @@ class StatsRecorder:
             prediction_tokens=self.prediction_tokens,
             accepted_prediction_tokens=min(self.accepted_prediction_tokens,
                                            self.prediction_tokens),
+            cached_prompt_tokens=self.cached_prompt_tokens,
             sources={kind: dict(counts) for kind, counts in self.sources.items()},
         )

@@ -32,6 +32,11 @@ class Runner(Protocol):
     vocab_size: int  # rows of the output embedding: the width of `logits`
     max_positions: int  # the longest sequence the model takes
     forward_calls: int  # forward passes run so far (a cost statistic, not a cache property)
+    # Whether a position's keys, values and logits are the same bits however its sequence was
+    # cut into passes (a whole prompt, chunks of any size, verification rows): then a cache that
+    # another sequence left holds, for the prefix the two share, exactly what a fresh pass over
+    # this one would write, and a later request may start from it (`verispec.scheduler`).
+    exact_prefixes: bool
 
     @property
     def cached_ids(self) -> torch.Tensor:
@@ -63,6 +68,11 @@ class Runner(Protocol):
         """A short label of the runtime and dtype, e.g. "hf float32", "native bfloat16"."""
         ...
 
+    def copy_prefix(self, source: Runner, length: int) -> None:
+        """Forget the sequence and hold the first `length` cached positions of `source`, a
+        sibling (runners with exact_prefixes only)."""
+        ...
+
 
 class PrefixRunner(ABC):
     """The bookkeeping of which tokens a runner's cache holds, shared by every runtime.
@@ -77,6 +87,11 @@ class PrefixRunner(ABC):
         self.max_positions = max_positions
         self._cached_ids = torch.empty(0, dtype=torch.long)  # the tokens whose KV is cached
         self.forward_calls = 0
+
+    exact_prefixes = False  # Runner.exact_prefixes: not unless a runtime guarantees it
+
+    def copy_prefix(self, source: Runner, length: int) -> None:
+        raise NotImplementedError(f"{self.describe()} runners do not share cached prefixes")
 
     @property
     def cached_ids(self) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Prefix affinity: which replica has already seen the start of a prompt.
 
 A replica that served a prompt keeps what makes the next request with the same opening cheap:
-its lookup across requests (the default drafter's and --draft suffix's suffix cache) holds the
-prompt and its answer, to be proposed again. So a request goes where the longest run of its
-opening was seen before. The opening is cut into
+its pooled caches hold the prompt's keys and values (GGUF models: `verispec.scheduler`), so the
+opening is not computed again, and its lookup across requests (the default drafter's and
+--draft suffix's suffix cache) holds the prompt and its answer, to be proposed again. So a
+request goes where the longest run of its opening was seen before. The opening is cut into
 blocks of BLOCK_CHARS characters and each block is named by a hash chained over all blocks
 before it, so two prompts share the key of block i exactly when their first (i + 1) blocks are
 equal:

@@ -38,6 +38,9 @@ class Metrics:
                                  registry=registry)
         self.prompt_tokens = Counter("verispec_prompt_tokens", "prompt tokens of finished "
                                      "requests", registry=registry)
+        self.cached_prompt_tokens = Counter(
+            "verispec_prompt_tokens_cached", "prompt tokens of finished requests that an "
+            "earlier request's cache held (not computed again)", registry=registry)
         self.generated_tokens = Counter("verispec_generated_tokens", "tokens generated",
                                         registry=registry)
         self.target_forwards = Counter("verispec_target_forwards",
@@ -76,6 +79,7 @@ class Metrics:
         """Count a finished request; output: its verispec GenerationOutput."""
         stats = output.stats
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.generated_tokens.inc(stats.new_tokens)
         self.target_forwards.inc(stats.target_forwards)
         self.drafted.inc(stats.drafted)

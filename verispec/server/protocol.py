@@ -249,12 +249,15 @@ class Reply:
 
 
 def usage(prompt_tokens: int, output) -> dict:
-    """OpenAI's usage object; with a prediction, completion_tokens_details says how many of
-    its tokens were accepted as drafts and how many were not (OpenAI's own counts)."""
+    """OpenAI's usage object: prompt_tokens_details.cached_tokens, the prompt's tokens an
+    earlier request's cache held (not computed again); with a prediction,
+    completion_tokens_details says how many of its tokens the output copied and how many it
+    did not (OpenAI's own counts)."""
     completion_tokens = len(output.token_ids)
     stats = output.stats
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
             "completion_tokens_details": {
                 "accepted_prediction_tokens": stats.accepted_prediction_tokens,
                 "rejected_prediction_tokens": stats.rejected_prediction_tokens}}

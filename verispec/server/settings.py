@@ -16,9 +16,9 @@ class ServerConfig:
     token for the answer) is 400; api_key (None: open) guards /v1/*, and /metrics and /health
     too with protect_metrics; docs serves /docs, /redoc and /openapi.json; after SIGTERM the
     requests in flight have shutdown_timeout seconds to finish, then they are cancelled.
-    suffix_cache: whose earlier prompts and outputs a cross-request lookup may propose to a
-    request (`lookup_scope`): "per-key" those sent with the same API key, "shared" all,
-    "off" none."""
+    suffix_cache: whose earlier prompts and outputs may serve a request (`lookup_scope`): what
+    a cross-request lookup proposes, and the cached start of a prompt (`verispec.scheduler`):
+    "per-key" those sent with the same API key, "shared" all, "off" none."""
 
     max_batch: int = 16
     max_queue: int = 64

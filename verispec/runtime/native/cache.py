@@ -55,6 +55,20 @@ class KVCache:
             self.taps = self._grown(self.taps, (capacity, len(self.tap_layers),
                                                 self.shape.hidden_size))
 
+    def copy_prefix(self, source: KVCache, length: int) -> None:
+        """Hold `source`'s first `length` positions (keys, values, features, taps), a cache of
+        the same model with the same taps."""
+        if source.tap_layers != self.tap_layers:
+            raise ValueError(f"a cache keeping taps {source.tap_layers} cannot fill one "
+                             f"keeping {self.tap_layers}")
+        self.reserve(max(length, 1))
+        span = slice(0, length)
+        self.keys[:, :, span] = source.keys[:, :, span]
+        self.values[:, :, span] = source.values[:, :, span]
+        self.features[span] = source.features[span]
+        if self.taps is not None:
+            self.taps[span] = source.taps[span]
+
     def move(self, sources: list[int], to: int) -> None:
         """Copy the positions at slots `sources` (increasing, each >= its target) to slots
         to, to + 1, ...: a token tree's accepted path into its place in the sequence."""

@@ -163,8 +163,10 @@ class GGUFLlama(NativeLlama):
                      head_ids=torch.empty(0, dtype=torch.long) if head_ids is None else head_ids,
                      **prices)
 
-    # a prompt pass attends as short passes would, where the probe allows (class doc)
+    # a prompt pass attends as short passes would, where the probe allows (class doc), and the
+    # one-call pass is invariant by construction: so is every position's bits
     plan_prompts = True
+    pass_invariant = True
 
     def _attend(self, q: torch.Tensor, cache, index: int, start: int, end: int,
                 plan) -> torch.Tensor:

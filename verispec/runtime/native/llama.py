@@ -82,6 +82,10 @@ class NativeLlama:
 
     # Whether the PyTorch loop plans prompt passes as short passes (attention_plan's prompts)
     plan_prompts = False
+    # Whether a position's logits, keys and values are the same bits in any pass: a prompt's
+    # (whole or in chunks of any size) or a verification's. Short passes are (INVARIANT_MAX);
+    # a long prompt pass here attends in one causal call, which rounds otherwise.
+    pass_invariant = False
 
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: Linear) -> None:

@@ -86,6 +86,24 @@ class NativeRunner(PrefixRunner):
     def describe(self) -> str:
         return self.model.describe()
 
+    @torch.inference_mode()
+    def copy_prefix(self, source: NativeRunner, length: int) -> None:
+        """Runner.copy_prefix: the first `length` cached positions of `source`, a runner of the
+        same model keeping the same taps."""
+        if source.model is not self.model:
+            raise ValueError("a runner copies a prefix from a runner of its own model only")
+        if not 0 <= length <= source.cached_length:
+            raise ValueError(f"{length} positions asked; the source holds "
+                             f"{source.cached_length}")
+        self.reset()
+        self.cache.copy_prefix(source.cache, length)
+        self._cached_ids = source.cached_ids[:length].clone()
+
+    @property
+    def exact_prefixes(self) -> bool:
+        """Runner.exact_prefixes: where the model's passes are invariant (`pass_invariant`)."""
+        return self.model.pass_invariant
+
     def _clear(self) -> None:
         self._tree = None  # the cache is indexed by position: stale slots are written over
 

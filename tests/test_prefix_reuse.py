@@ -1,0 +1,165 @@
+"""Prefix reuse across requests (verispec.scheduler): where the target's caches are exact for any
+cut into passes (GGUF models on the native runtime), a request starts from the cache an earlier
+request left for the start of the prompt they share, feeds only the rest, and its output is the
+same bits as from an empty cache; only requests of one lookup scope share; another request's
+cache survives a prompt that shares only its start; a runtime without the guarantee never
+shares."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from conftest import EOS_ID, tiny_llama
+from openai import OpenAI
+from test_gguf import write_tiny_gguf
+from test_server import running
+
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.quant.gguf import read
+from verispec.quant.quantized_model import GGUFModel
+from verispec.runtime.native.gguf_model import GGUFLlama, gguf_runner
+from verispec.runtime.native.llama import NativeLlama
+from verispec.runtime.native.native_runner import NativeRunner
+from verispec.server import ServerConfig, create_app
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.9, seed=5)
+START = list(range(3, 60))  # 57 ids the prompts below open with
+PROMPT_A = START + [70, 71, 72, 73]
+PROMPT_B = START + [80, 81]
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefix") / "tiny.gguf"
+    write_tiny_gguf(path, tokenizer=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_file):
+    return SpeculativeDecoder.from_pretrained(tiny_file, draft="ngram", k=3, dequantize=None)
+
+
+@pytest.fixture
+def fed(monkeypatch):
+    """The positions each target pass feeds, per row, in order: a list of lists."""
+    passes: list[list[int]] = []
+    forward_rows = GGUFLlama.forward_rows
+
+    def spy(model, rows, inputs=None):
+        passes.append([int(row.ids.numel()) for row in rows])
+        return forward_rows(model, rows, inputs)
+
+    monkeypatch.setattr(GGUFLlama, "forward_rows", spy)
+    return passes
+
+
+def alone(decoder, prompt, params) -> list[int]:
+    engine = decoder.engine(1)
+    request = engine.add_request(prompt, params)
+    return engine.run()[request].token_ids
+
+
+def run(engine, prompt, params):
+    request = engine.add_request(prompt, params)
+    return engine.run()[request]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_request_feeds_only_what_an_earlier_requests_cache_lacks(decoder, fed, params):
+    engine = decoder.engine(4)
+    first = run(engine, PROMPT_A, params)
+    assert first.stats.cached_prompt_tokens == 0
+    fed.clear()
+    second = run(engine, PROMPT_B, params)
+    assert second.stats.cached_prompt_tokens == len(START)
+    assert fed[0] == [len(PROMPT_B) - len(START)]  # its first pass: the prompt's rest only
+    # the same bits as from an empty cache
+    assert second.token_ids == alone(decoder, PROMPT_B, params)
+    assert first.token_ids == alone(decoder, PROMPT_A, params)
+    # the same prompt again: all but its last position, which gives the first token's logits
+    again = run(engine, PROMPT_B, params)
+    assert again.stats.cached_prompt_tokens == len(PROMPT_B) - 1
+    assert again.token_ids == second.token_ids
+
+
+def test_other_scopes_and_no_scope_share_nothing(decoder):
+    engine = decoder.engine(4)
+    scoped = {scope: SamplingParams(max_new_tokens=8, lookup_scope=scope)
+              for scope in ("key:a", "key:b", None)}
+    run(engine, PROMPT_A, scoped["key:a"])
+    assert run(engine, PROMPT_B, scoped["key:b"]).stats.cached_prompt_tokens == 0
+    assert run(engine, PROMPT_B, scoped[None]).stats.cached_prompt_tokens == 0
+    assert run(engine, PROMPT_B, scoped["key:a"]).stats.cached_prompt_tokens == len(START)
+
+
+def test_a_conversation_keeps_its_cache_when_another_shares_its_start(decoder):
+    engine = decoder.engine(2)
+    first = run(engine, PROMPT_A, GREEDY)
+    run(engine, PROMPT_B, GREEDY)  # shares START only: served from a copy of it
+    next_turn = PROMPT_A + first.token_ids + [90, 91]
+    # A's cache kept all of its prompt and output (but the output's last token, never fed)
+    assert run(engine, next_turn, GREEDY).stats.cached_prompt_tokens >= len(PROMPT_A) + 23
+    # two more prompts that share nothing: a pool of max_batch runners, the oldest emptied
+    for prompt in ([61, 62, 63] * 5, [64, 65] * 8):
+        assert run(engine, prompt, GREEDY).stats.cached_prompt_tokens == 0
+    assert engine.scheduler._pooled == 2
+
+
+def test_a_runtime_without_exact_prefixes_starts_empty(tokenizer):
+    model = tiny_llama(EOS_ID + 1, seed=4, dtype=torch.float32)
+    decoder = SpeculativeDecoder(model, tokenizer, None, runtime="native")
+    assert not decoder.target.exact_prefixes  # a long prompt pass rounds unlike short ones
+    engine = decoder.engine(4)
+    ids = [5, 9, 14, 2, 2, 71, 30] * 6
+    first = run(engine, ids, GREEDY)
+    second = run(engine, ids + [3], GREEDY)
+    assert second.stats.cached_prompt_tokens == 0
+    assert first.token_ids == alone(decoder, ids, GREEDY)
+
+
+def test_copy_prefix_holds_the_sources_bits(tiny_file):
+    model = GGUFModel(read(tiny_file))
+    source, copy, fresh = (gguf_runner(model) for _ in range(3))
+    assert source.exact_prefixes
+    ids = torch.tensor(PROMPT_A)
+    source.logits(ids, 1)
+    copy.logits(torch.tensor([7, 7, 7]), 1)  # another sequence first: forgotten
+    copy.copy_prefix(source, len(START))
+    assert copy.cached_ids.tolist() == START
+    assert torch.equal(copy.cache.keys[:, :, :len(START)], source.cache.keys[:, :, :len(START)])
+    assert torch.equal(copy.logits(torch.tensor(PROMPT_B), 1),
+                       fresh.logits(torch.tensor(PROMPT_B), 1))
+    with pytest.raises(ValueError, match="holds"):
+        copy.copy_prefix(source, len(PROMPT_A) + 1)
+    other = NativeRunner(NativeLlama.from_hf(tiny_llama(EOS_ID + 1, seed=1), torch.float32))
+    with pytest.raises(ValueError, match="own model"):
+        copy.copy_prefix(other, 3)
+
+
+def test_the_server_reports_cached_tokens_per_api_key(decoder):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, and the Prometheus counter; a
+    request with another key reuses nothing of the first key's prompt."""
+    app = create_app(decoder, "tiny", ServerConfig(suffix_cache="per-key"))
+    prompt = "the cat sat on the mat, and then the dog sat on the cat. " * 2
+
+    def complete(url, key, text):
+        client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        reply = client.completions.create(model="tiny", prompt=text, max_tokens=8,
+                                          temperature=0)
+        return reply.choices[0].text, reply.usage.prompt_tokens_details.cached_tokens
+
+    with running(app) as url:
+        text, cached = complete(url, "key-a", prompt + "first")
+        assert cached == 0
+        _, cached = complete(url, "key-b", prompt + "second")
+        assert cached == 0
+        again, repeated = complete(url, "key-a", prompt + "first")
+        assert repeated == len(decoder.encode(prompt + "first", False)) - 1 and again == text
+        _, shared = complete(url, "key-a", prompt + "third")
+        assert shared >= len(decoder.encode(prompt, False)) - 1
+        counted = next(line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                       if line.startswith("verispec_prompt_tokens_cached_total"))
+        assert float(counted.split()[-1]) == repeated + shared
