@@ -163,3 +163,64 @@ def test_the_server_reports_cached_tokens_per_api_key(decoder):
         counted = next(line for line in httpx.get(f"{url}/metrics").text.splitlines()
                        if line.startswith("verispec_prompt_tokens_cached_total"))
         assert float(counted.split()[-1]) == repeated + shared
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_copied_start_reaches_the_draft_model_too(tiny_file, tmp_path, params):
+    """A prompt sharing only the start of another's cache gets a copy of that start, in the
+    target's cache and in the draft model's: neither computes it again, and the output is the
+    same bits as from empty caches."""
+    draft_file = tmp_path / "draft.gguf"
+    write_tiny_gguf(draft_file, seed=1)
+    decoder = SpeculativeDecoder.from_pretrained(tiny_file, draft=f"hybrid:{draft_file}", k=3,
+                                                 dequantize=None)
+    draft_model = decoder.drafter.model.runner.model
+    engine = decoder.engine(4)
+    run(engine, PROMPT_A, params)
+    read: list[int] = []
+    forward_rows = GGUFLlama.forward_rows
+
+    def spy(model, rows, inputs=None):
+        if model is draft_model:
+            read.extend(int(row.ids.numel()) for row in rows)
+        return forward_rows(model, rows, inputs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GGUFLlama, "forward_rows", spy)
+        second = run(engine, PROMPT_B, params)
+    assert second.stats.cached_prompt_tokens == len(START)
+    assert read and read[0] <= len(PROMPT_B) - len(START)  # the draft's first pass: the rest
+    assert second.token_ids == alone(decoder, PROMPT_B, params)
+
+
+def test_requests_joining_a_busy_engine_answer_as_alone(tiny_file, tmp_path):
+    """24 requests over three shared starts, greedy and seeded, joining a 3-row engine while
+    it runs: slots are reused as they are, copied and emptied, and every answer is the one the
+    request gets alone."""
+    draft_file = tmp_path / "draft.gguf"
+    write_tiny_gguf(draft_file, seed=2)
+    decoder = SpeculativeDecoder.from_pretrained(tiny_file, draft=f"hybrid:{draft_file}", k=3,
+                                                 dequantize=None)
+    generator = torch.Generator().manual_seed(0)
+    starts = [torch.randint(3, 90, (length,), generator=generator).tolist()
+              for length in (40, 25, 60)]
+    jobs = []
+    for index in range(24):
+        tail = torch.randint(3, 90, (index % 5 + 1,), generator=generator).tolist()
+        params = GREEDY if index % 2 else SamplingParams(
+            max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=index)
+        jobs.append((starts[index % 3] + tail, params))
+    engine = decoder.engine(3)
+    ids, outputs, waiting = {}, {}, list(jobs)
+    while waiting or engine.has_work:
+        for _ in range(2 if waiting else 0):  # two join every round while any are left
+            prompt, params = waiting.pop(0)
+            ids[engine.add_request(prompt, params)] = (prompt, params)
+            if not waiting:
+                break
+        for event in engine.step():
+            if event.output is not None:
+                outputs[event.request_id] = event.output
+    assert sum(output.stats.cached_prompt_tokens > 0 for output in outputs.values()) >= 12
+    for request_id, (prompt, params) in ids.items():
+        assert outputs[request_id].token_ids == alone(decoder, prompt, params), request_id

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
-from verispec.drafters.drafter import Drafter, follow_target, retire
+from verispec.drafters.drafter import Drafter, copy_state, follow_target, retire
 from verispec.request import Request
 from verispec.runtime import Runner, common_prefix
 
@@ -113,13 +113,8 @@ class Scheduler:
             request.runner = self._own_runners.pop()
             request.drafter = self._own_drafters.pop() if self._own_drafters else None
         else:
-            slot, shared = self._take(request)
+            slot = self._take(request)
             request.runner, request.drafter = slot.runner, slot.drafter
-            # a drafter's state is kept for greedy rows only: their output is the target's
-            # whatever is proposed, where a seeded sampled row's draws follow its drafts,
-            # which must not depend on the requests before it
-            if request.drafter is not None and not (shared and request.params.greedy):
-                request.drafter.reset()
         if request.drafter is None and self.drafter is not None:
             request.drafter = self.drafter.fork()
             request.drafter.reset()
@@ -129,9 +124,8 @@ class Scheduler:
         request.stats.cached_prompt_tokens = min(request.prompt_fed, request.context - 1)
         self.running.append(request)
 
-    def _take(self, request: Request) -> tuple[_Slot, bool]:
-        """A pooled slot for a joining request, and whether its state is kept (else reset
-        both, the runner perhaps holding a copied prefix).
+    def _take(self, request: Request) -> _Slot:
+        """A pooled slot for a joining request, its runner and drafter ready.
 
         Where caches are exact, the free slot of the request's scope whose cache holds the
         longest start of the prompt serves it: taken as it is when the prompt goes on from all
@@ -139,26 +133,40 @@ class Scheduler:
         template may close the last answer otherwise than it was generated), else copied into
         a new slot while the pool has fewer than max_batch, or into the least recently freed
         one, so that what it holds past the shared start stays for the request it belongs to.
-        No match: a new slot, or the least recently freed one emptied."""
-        scope, prompt = request.params.lookup_scope, request.prompt_ids
-        exact = self.target.exact_prefixes and scope is not None
+        No match: a new slot, or the least recently freed one emptied.
+
+        A drafter taken as it is keeps its state but for a seeded sampled row (its draws follow
+        its drafts, and the same seed must give the same output whatever requests came
+        before; a greedy row's output is the target's whatever is proposed); a copied start
+        goes to the drafter too where it can take it exactly (`copy_state`)."""
+        params, prompt = request.params, request.prompt_ids
+        exact = self.target.exact_prefixes and params.lookup_scope is not None
         best, longest = None, 0
         for slot in self._free if exact else ():
-            shared = common_prefix(slot.runner.cached_ids, prompt) if slot.scope == scope else 0
+            shared = (common_prefix(slot.runner.cached_ids, prompt)
+                      if slot.scope == params.lookup_scope else 0)
             if shared > longest:
                 best, longest = slot, shared
+        # 1. As it is.
         if best is not None and (best.runner.cached_length - longest <= KEEP_SLACK or
                                  (self._pooled >= self.max_batch and self._free[0] is best)):
             self._free.remove(best)
-            return best, True
+            if best.drafter is not None and not params.greedy and params.seed is not None:
+                best.drafter.reset()
+            return best
+        # 2. Another slot: the least recently freed, or a new one.
         if self._free and not (exact and self._pooled < self.max_batch):
             slot = self._free.pop(0 if exact else -1)
         else:
             self._pooled += 1
             drafter = None if self.drafter is None else self.drafter.fork()
-            slot = _Slot(self.target.sibling(), drafter, scope)
-        if best is not None:
+            slot = _Slot(self.target.sibling(), drafter, params.lookup_scope)
+        # 3. Holding the best match's start, or nothing.
+        if best is None:
+            slot.runner.reset()
+        else:
             slot.runner.copy_prefix(best.runner, longest)
-            return slot, False
-        slot.runner.reset()
-        return slot, False
+        if slot.drafter is not None and (best is None or
+                                         not copy_state(slot.drafter, best.drafter, longest)):
+            slot.drafter.reset()
+        return slot

@@ -76,8 +76,9 @@ class Draft:
 class Drafter(Protocol):
     """What every drafter does. Some methods are optional (called through the helpers below
     when a drafter has them): `follow(runner)`, for one that reads the target's hidden states,
-    `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in, and
-    `retire(history, params)`, for one that learns from the requests that leave."""
+    `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in,
+    `retire(history, params)`, for one that learns from the requests that leave, and
+    `copy_state(source, length)`, for one that can start from another's cached prefix."""
 
     name: str
 
@@ -185,3 +186,12 @@ def unread(drafter: Drafter | None, history: torch.Tensor) -> int:
     that read the target's features as it goes."""
     count = getattr(drafter, "unread", None)
     return 0 if count is None else count(history)
+
+
+def copy_state(drafter: Drafter, source: Drafter | None, length: int) -> bool:
+    """Let a drafter hold what `source` (a drafter of the same kind, another sequence's) holds
+    of their shared first `length` tokens, exactly as if it had read them itself (one with
+    `copy_state`: a draft model whose cache is exact for any cut into passes). Whether it did;
+    where not, its state is unchanged (reset it)."""
+    copy = getattr(drafter, "copy_state", None)
+    return source is not None and copy is not None and copy(source, length)

@@ -57,6 +57,15 @@ class ModelDrafter:
         """Tokens of history [L] not in the draft's cache: its next proposal feeds them."""
         return int(history.numel()) - common_prefix(self.runner.cached_ids, history)
 
+    def copy_state(self, source: ModelDrafter, length: int) -> bool:
+        """verispec.drafters.drafter.copy_state: the source's cached first `length` tokens (as
+        many as it holds), where the draft's caches are exact (`Runner.exact_prefixes`)."""
+        if not (isinstance(source, ModelDrafter) and self.runner.exact_prefixes and
+                source.runner.exact_prefixes):
+            return False
+        self.runner.copy_prefix(source.runner, min(length, source.runner.cached_length))
+        return True
+
     def fork(self) -> ModelDrafter:
         """A drafter for another sequence: same weights, its own cache."""
         return ModelDrafter(self.runner.sibling(), self.target_vocab_size, self.head_token_ids)
