@@ -31,6 +31,10 @@ from verispec.theory import batch_allocation, batch_optimal_k
 # What a draft model has left to read after a round of its own: the target's next token, and
 # its own last draft token where all of them were accepted.
 CAUGHT_UP = 2
+# A row's first round leaves its draft model out where that would read more than this many
+# tokens first (a prompt it has not seen): the first token comes after the prompt pass alone,
+# and the draft model catches up from the next round, where that pays.
+FIRST_ROUND_READ = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,9 @@ class RoundPlanner:
             ks = [k if k == 0 or self.catch_up_pays(r, unread(r.drafter, r.history), alone,
                                                     rows)
                   else 0 for r, k in zip(requests, ks, strict=True)]
+        #    Nor before a row's first token (FIRST_ROUND_READ).
+        ks = [0 if k and r.generated == 0 and unread(r.drafter, r.history) > FIRST_ROUND_READ
+              else k for r, k in zip(requests, ks, strict=True)]
         # 2. Lookups: as many as a lookup may propose; keep() cuts them by kind.
         free_ks = [r.policy.next_k(row_prices, width, free=True)
                    for r, width in zip(requests, widths, strict=True)]
