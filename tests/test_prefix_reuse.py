@@ -224,3 +224,26 @@ def test_requests_joining_a_busy_engine_answer_as_alone(tiny_file, tmp_path):
     assert sum(output.stats.cached_prompt_tokens > 0 for output in outputs.values()) >= 12
     for request_id, (prompt, params) in ids.items():
         assert outputs[request_id].token_ids == alone(decoder, prompt, params), request_id
+
+
+def test_a_load_test_of_conversations_finds_their_turns_cached(tiny_file):
+    """`python -m verispec.server.loadtest --turns 3`: each conversation's later turns resend
+    it whole, and the server computes only what is new."""
+    from test_server import CHAT_TEMPLATE
+
+    from verispec.server.loadtest import run_load
+
+    decoder = SpeculativeDecoder.from_pretrained(tiny_file, draft="ngram", k=3, dequantize=None)
+    decoder.tokenizer.chat_template = CHAT_TEMPLATE
+    with running(create_app(decoder, "tiny", ServerConfig())) as url:
+        report = run_load(f"{url}/v1", requests=8, concurrency=2,
+                          prompts=("the cat sat on the mat", "one two three four"),
+                          max_tokens=12, turns=3)
+    summary = report.summary()
+    assert summary["ok"] == 8 and len(summary["ttft_p50_by_turn_s"]) == 3
+    assert [r.turn for r in report.results] == [0, 1, 2, 0, 1, 2, 0, 1]
+    later = [r for r in report.results if r.turn > 0]
+    assert all(r.cached_tokens > 20 for r in later)  # at least the first turn's prompt
+    assert summary["cached_prompt_tokens"] == sum(r.cached_tokens for r in report.results)
+    with pytest.raises(ValueError, match="turns"):
+        run_load("http://127.0.0.1:9/v1", requests=2, concurrency=1, turns=2, mixed=True)

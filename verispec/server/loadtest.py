@@ -2,7 +2,7 @@
 
     python -m verispec.server.loadtest --url http://127.0.0.1:8000/v1 --requests 64 \
         --concurrency 16 --max-tokens 64 [--temperature 0] [--chat] [--prompts FILE] [--mixed]
-        [--api-key KEY] [--verify invariant] [--shared-files 4]
+        [--api-key KEY] [--verify invariant] [--shared-files 4] [--turns 3]
 
 Each client (a thread with its own `openai` client) streams its requests one after another, so
 C requests are in flight at once; time to first token is the first chunk with text, latency the
@@ -23,6 +23,11 @@ the summary gives its status and the longest gap between two chunks of any other
 each of N of verispec's own source files (its first 1,500 characters) under each of a few
 tasks (`shared_file_prompts`), request i taking prompt i mod their number, so requests share
 files and later requests ask what earlier ones asked (a cross-request lookup's case).
+
+--turns T: conversations (chat): a client sends a prompt, then T - 1 follow-ups (FOLLOW_UPS),
+each with the whole conversation so far, as chat clients do; the summary adds the median time
+to first token of each turn. Every summary counts the prompt tokens the server's cache already
+held (`usage.prompt_tokens_details.cached_tokens`, where it says).
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ FILE_TASKS = (
     "Print the file's imports, then its functions' signatures.",
 )
 FILE_CHARS = 1500
+# What a conversation's client says after each answer (--turns), in turn.
+FOLLOW_UPS = ("Now make it shorter.", "Explain the key step in one sentence.",
+              "Give one more example.", "What could go wrong?")
 
 
 def shared_file_prompts(files: int) -> tuple[str, ...]:
@@ -109,6 +117,8 @@ class Result:
     latency_s: float
     job: Job | None = None
     gap_s: float = 0.0  # the longest wait between two chunks with text (streams)
+    turn: int = 0  # the request's turn in its conversation (--turns), from 0
+    cached_tokens: int = 0  # of its prompt, held by the server's cache (where it says)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +147,13 @@ class Report:
             "requests_per_s": round(len(ok) / self.wall_s, 2),
             "completion_tokens": tokens, "tokens_per_s": round(tokens / self.wall_s, 1),
             "longest_gap_s": round(max((r.gap_s for r in ok), default=0.0), 4),
+            "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         }
+        turns = max((r.turn for r in ok), default=0) + 1
+        if turns > 1:
+            summary["ttft_p50_by_turn_s"] = [
+                round(percentile(sorted(r.ttft_s for r in ok if r.turn == turn and
+                                        r.ttft_s is not None), 50), 4) for turn in range(turns)]
         if self.long_prompt is not None:
             summary["long_prompt"] = {"status": self.long_prompt.status,
                                       "latency_s": round(self.long_prompt.latency_s, 3)}
@@ -167,10 +183,14 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
              max_tokens: int = 64, temperature: float = 0.0, chat: bool = False,
              model: str | None = None, mixed: bool = False, api_key: str = "none",
-             long_prompt: int = 0, verify: str | None = None) -> Report:
+             long_prompt: int = 0, verify: str | None = None, turns: int = 1) -> Report:
     """Send `requests` requests, `concurrency` at a time; base_url ends with /v1. Streaming
     completions (chat: chat completions) at `temperature`, or a mix (see the module doc).
-    verify: the seeded requests' verification procedure (the server's default if None)."""
+    verify: the seeded requests' verification procedure (the server's default if None).
+    turns > 1: conversations of that many chat requests each (the module doc), `requests`
+    in all (the last conversation cut short where they do not divide)."""
+    if turns < 1 or (turns > 1 and mixed):
+        raise ValueError("turns must be >= 1, and 1 with mixed")
     from openai import OpenAI
 
     local = threading.local()
@@ -191,6 +211,19 @@ def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
     def one(job: Job) -> Result:
         return send(client(), model, job, max_tokens, temperature, verify)
 
+    def conversation(first: int) -> list[Result]:
+        job, messages, results = jobs[first], [], []
+        for turn in range(min(turns, requests - first)):
+            said = job.prompt if turn == 0 else FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]
+            messages.append({"role": "user", "content": said})
+            result = send(client(), model, Job(first + turn, said, True, True, None, False),
+                          max_tokens, temperature, verify, messages=messages, turn=turn)
+            results.append(result)
+            if result.status != 200:
+                break
+            messages.append({"role": "assistant", "content": result.text})
+        return results
+
     long_result: list[Result] = []
 
     def long_one() -> None:
@@ -205,7 +238,11 @@ def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
     if long_prompt:
         long_thread.start()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(one, jobs))
+        if turns == 1:
+            results = list(pool.map(one, jobs))
+        else:
+            results = [result for talk in pool.map(conversation, range(0, requests, turns))
+                       for result in talk]
     if long_prompt:
         long_thread.join()
     return Report(results, concurrency, time.perf_counter() - started, solo,
@@ -213,9 +250,11 @@ def run_load(base_url: str, requests: int, concurrency: int, prompts=PROMPTS,
 
 
 def send(client, model: str, job: Job, max_tokens: int, temperature: float,
-         verify: str | None = None) -> Result:
-    """One request -> its Result (errors counted by status, never raised)."""
-    started, ttft, pieces, tokens, gap = time.perf_counter(), None, [], 0, 0.0
+         verify: str | None = None, messages: list[dict] | None = None,
+         turn: int = 0) -> Result:
+    """One request -> its Result (errors counted by status, never raised). messages: a chat
+    conversation to send instead of the job's prompt alone."""
+    started, ttft, pieces, tokens, gap, cached = time.perf_counter(), None, [], 0, 0.0, 0
     last = started
     args = dict(model=model, max_tokens=max_tokens, stream=job.stream,
                 temperature=temperature if job.seed is None else 0.8, seed=job.seed)
@@ -226,19 +265,20 @@ def send(client, model: str, job: Job, max_tokens: int, temperature: float,
     try:
         if job.chat:
             response = client.chat.completions.create(
-                messages=[{"role": "user", "content": job.prompt}], **args)
+                messages=messages or [{"role": "user", "content": job.prompt}], **args)
         else:
             response = client.completions.create(prompt=job.prompt, **args)
         if not job.stream:
             choice = response.choices[0]
             pieces.append(choice.message.content if job.chat else choice.text)
             tokens, ttft = response.usage.completion_tokens, time.perf_counter() - started
+            cached = _cached(response.usage)
         for chunks, chunk in enumerate(response if job.stream else ()):
             if job.leave and chunks == 2:
                 response.close()
                 break
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                tokens, cached = chunk.usage.completion_tokens, _cached(chunk.usage)
             for choice in chunk.choices:
                 piece = choice.delta.content if job.chat else choice.text
                 if piece:
@@ -253,7 +293,13 @@ def send(client, model: str, job: Job, max_tokens: int, temperature: float,
     except Exception as err:  # counted by status in the report, never raised
         status = getattr(err, "status_code", 0)
     return Result(job.index, status, "".join(pieces), tokens, ttft,
-                  time.perf_counter() - started, job, gap)
+                  time.perf_counter() - started, job, gap, turn, cached)
+
+
+def _cached(usage) -> int:
+    """usage.prompt_tokens_details.cached_tokens, 0 where the server does not say."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    return getattr(details, "cached_tokens", None) or 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,18 +320,24 @@ def main(argv: list[str] | None = None) -> None:
                         help="also send one prompt of about this many tokens a second in")
     parser.add_argument("--verify", choices=("block", "token", "invariant"), default=None,
                         help="the seeded requests' verification procedure (--mixed)")
+    parser.add_argument("--turns", type=int, default=1, metavar="T",
+                        help="conversations of T chat requests, each resending the whole "
+                             "conversation so far (implies --chat)")
     parser.add_argument("--shared-files", type=int, default=0, metavar="N",
                         help="prompts with repeated context: N source files, each under "
                              f"{len(FILE_TASKS)} tasks (instead of the built-in prompts)")
     args = parser.parse_args(argv)
+    if args.turns < 1 or (args.turns > 1 and args.mixed):
+        parser.error("--turns must be >= 1, and cannot go with --mixed")
     prompts = PROMPTS
     if args.prompts:
         prompts = tuple(line for line in args.prompts.read_text().splitlines() if line.strip())
     elif args.shared_files:
         prompts = shared_file_prompts(args.shared_files)
     report = run_load(args.url, args.requests, args.concurrency, prompts, args.max_tokens,
-                      args.temperature, args.chat, mixed=args.mixed, api_key=args.api_key,
-                      long_prompt=args.long_prompt, verify=args.verify)
+                      args.temperature, args.chat or args.turns > 1, mixed=args.mixed,
+                      api_key=args.api_key, long_prompt=args.long_prompt, verify=args.verify,
+                      turns=args.turns)
     print(json.dumps(report.summary(), indent=2))
 
 
