@@ -169,13 +169,12 @@ def test_a_long_prompts_drafter_reads_it_a_chunk_a_round(kind, text_target, toke
     assert ids[sampled_long] == sampled_alone
 
 
-@pytest.mark.parametrize("kind", ["draft model", "feature draft"])
-def test_the_first_token_waits_for_no_draft_model_reading_the_prompt(kind, text_target,
-                                                                     tokenizer, monkeypatch):
+def test_the_first_token_waits_for_no_draft_model_reading_the_prompt(text_target, tokenizer,
+                                                                     monkeypatch):
     """A prompt of one chunk: its first round is the prompt pass alone (a draft model that has
     not read the prompt sits it out: FIRST_ROUND_READ), and the draft drafts from the next
     round on; the output is the target's."""
-    target, runtime, drafter, reads = drafter_with_spy(kind, text_target, monkeypatch)
+    target, runtime, drafter, reads = drafter_with_spy("draft model", text_target, monkeypatch)
     decoder = SpeculativeDecoder(target, tokenizer, drafter, k=3, runtime=runtime)
     plain = SpeculativeDecoder(target, tokenizer, None, runtime=runtime)
     prompt = list(range(40, 100))  # 60 ids, past FIRST_ROUND_READ

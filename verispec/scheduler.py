@@ -12,8 +12,9 @@ Prefix reuse. Where the target's caches are exact for any cut into passes
 last request left, and a joining request takes the free one whose cache holds the longest start
 of its prompt (a system prompt, the earlier turns of a conversation, a file sent again) and
 feeds only the rest. Its output is the same bits as from an empty cache. Only requests of one
-`SamplingParams.lookup_scope` share (a server's API key; None: none), and a pool keeps up to
-max_batch caches, the least recently used one emptied for a prompt that matches none.
+`SamplingParams.lookup_scope` share (a server's API key; None: none); a seeded sampled row
+starts clean (`starts_clean`); a pool keeps up to max_batch caches, the least recently used one
+emptied for a prompt that matches none.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
 from verispec.drafters.drafter import Drafter, copy_state, follow_target, retire
+from verispec.params import SamplingParams
 from verispec.request import Request
 from verispec.runtime import Runner, common_prefix
 
@@ -108,12 +110,18 @@ class Scheduler:
         prompt sharing a prefix with the previous one reuses it. A pooled one keeps its cache
         where that is exact (the module docstring); else it starts empty, so a row's output
         never depends on which request had its runner before (a prompt pass's keys and values
-        need not be the same bits as the same positions computed in another prompt's pass)."""
+        need not be the same bits as the same positions computed in another prompt's pass).
+        A row that must start clean (`starts_clean`) starts empty either way."""
+        clean = starts_clean(request.params)
         if self._own_runners:
             request.runner = self._own_runners.pop()
             request.drafter = self._own_drafters.pop() if self._own_drafters else None
+            if clean:
+                request.runner.reset()
+                if request.drafter is not None:
+                    request.drafter.reset()
         else:
-            slot = self._take(request)
+            slot = self._take(request, clean)
             request.runner, request.drafter = slot.runner, slot.drafter
         if request.drafter is None and self.drafter is not None:
             request.drafter = self.drafter.fork()
@@ -124,7 +132,7 @@ class Scheduler:
         request.stats.cached_prompt_tokens = min(request.prompt_fed, request.context - 1)
         self.running.append(request)
 
-    def _take(self, request: Request) -> _Slot:
+    def _take(self, request: Request, clean: bool) -> _Slot:
         """A pooled slot for a joining request, its runner and drafter ready.
 
         Where caches are exact, the free slot of the request's scope whose cache holds the
@@ -132,17 +140,14 @@ class Scheduler:
         it holds but KEEP_SLACK tokens at most (the next turn of its conversation, whose
         template may close the last answer otherwise than it was generated), else copied into
         a new slot while the pool has fewer than max_batch, or into the least recently freed
-        one, so that what it holds past the shared start stays for the request it belongs to.
-        No match: a new slot, or the least recently freed one emptied.
-
-        A drafter taken as it is keeps its state but for a seeded sampled row (its draws follow
-        its drafts, and the same seed must give the same output whatever requests came
-        before; a greedy row's output is the target's whatever is proposed); a copied start
+        one, so that what it holds past the shared start stays for the request it belongs to
+        (and the source counts as used). A clean row, a row without a scope and a prompt that
+        matches none take a new slot, or the least recently freed one emptied. A copied start
         goes to the drafter too where it can take it exactly (`copy_state`)."""
         params, prompt = request.params, request.prompt_ids
-        exact = self.target.exact_prefixes and params.lookup_scope is not None
+        exact = self.target.exact_prefixes
         best, longest = None, 0
-        for slot in self._free if exact else ():
+        for slot in self._free if exact and not clean and params.lookup_scope is not None else ():
             shared = (common_prefix(slot.runner.cached_ids, prompt)
                       if slot.scope == params.lookup_scope else 0)
             if shared > longest:
@@ -151,8 +156,6 @@ class Scheduler:
         if best is not None and (best.runner.cached_length - longest <= KEEP_SLACK or
                                  (self._pooled >= self.max_batch and self._free[0] is best)):
             self._free.remove(best)
-            if best.drafter is not None and not params.greedy and params.seed is not None:
-                best.drafter.reset()
             return best
         # 2. Another slot: the least recently freed, or a new one.
         if self._free and not (exact and self._pooled < self.max_batch):
@@ -161,12 +164,25 @@ class Scheduler:
             self._pooled += 1
             drafter = None if self.drafter is None else self.drafter.fork()
             slot = _Slot(self.target.sibling(), drafter, params.lookup_scope)
-        # 3. Holding the best match's start, or nothing.
+        # 3. Holding the best match's start (its source now the most recently used), or
+        #    nothing.
         if best is None:
             slot.runner.reset()
         else:
             slot.runner.copy_prefix(best.runner, longest)
+            self._free.remove(best)
+            self._free.append(best)
         if slot.drafter is not None and (best is None or
                                          not copy_state(slot.drafter, best.drafter, longest)):
             slot.drafter.reset()
         return slot
+
+
+def starts_clean(params: SamplingParams) -> bool:
+    """Whether a row starts from empty caches whatever the pool holds: a seeded sampled row
+    verified by block or token. Its draws follow its drafts, and what it drafts when depends on
+    the state it starts from (a draft model's cache, a feature draft's reach into a cached
+    prompt, how its prompt is cut into chunks), while the same seed must give the same output
+    whatever requests came before. Greedy rows give the target's output whatever is proposed,
+    and verify="invariant" draws do not depend on the drafts."""
+    return not params.greedy and params.seed is not None and params.verify != "invariant"

@@ -63,7 +63,10 @@ class ModelDrafter:
         if not (isinstance(source, ModelDrafter) and self.runner.exact_prefixes and
                 source.runner.exact_prefixes):
             return False
-        self.runner.copy_prefix(source.runner, min(length, source.runner.cached_length))
+        length = min(length, source.runner.cached_length)
+        if length == 0:  # nothing to copy (a source that never drafted): start empty
+            return False
+        self.runner.copy_prefix(source.runner, length)
         return True
 
     def fork(self) -> ModelDrafter:

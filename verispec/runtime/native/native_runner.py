@@ -96,8 +96,9 @@ class NativeRunner(PrefixRunner):
             raise ValueError(f"{length} positions asked; the source holds "
                              f"{source.cached_length}")
         self.reset()
-        self.cache.copy_prefix(source.cache, length)
-        self._cached_ids = source.cached_ids[:length].clone()
+        if length:
+            self.cache.copy_prefix(source.cache, length)
+            self._cached_ids = source.cached_ids[:length].clone()
 
     @property
     def exact_prefixes(self) -> bool:
