@@ -325,3 +325,22 @@ def test_a_load_test_of_conversations_finds_their_turns_cached(tiny_file):
     assert summary["cached_prompt_tokens"] == sum(r.cached_tokens for r in report.results)
     with pytest.raises(ValueError, match="turns"):
         run_load("http://127.0.0.1:9/v1", requests=2, concurrency=1, turns=2, mixed=True)
+
+
+def test_requests_arriving_together_compute_a_shared_start_once(tiny_file, fed):
+    """Three prompts opening with the same 120 tokens, sent at once: the first computes the
+    start (in chunks), the others wait for it and copy it, and each answers as alone."""
+    config = DecodeConfig(prefill_chunk=32, prefill_knee=10**6)
+    decoder = SpeculativeDecoder.from_pretrained(tiny_file, draft="ngram", k=3, dequantize=None,
+                                                 config=config)
+    start = torch.randint(3, 90, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = [start + [60 + i, 61 + i, 62 + i] for i in range(3)]
+    engine = decoder.engine(4)
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
+    fed.clear()
+    outputs = engine.run()
+    computed = sum(sum(rows) for rows in fed)  # positions through the target, all rows
+    assert [outputs[i].stats.cached_prompt_tokens for i in ids] == [0, 120, 120]
+    assert computed < 2 * len(prompts[0]) + 3 * 24 * 4  # the start once (drafts: 4 a token)
+    for i, prompt in zip(ids, prompts, strict=True):
+        assert outputs[i].token_ids == alone(decoder, prompt, GREEDY)

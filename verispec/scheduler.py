@@ -30,6 +30,9 @@ from verispec.request import Request
 from verispec.runtime import Runner, common_prefix
 
 KEEP_SLACK = 16  # tokens of a free cache a request may drop and still take it as it is
+# A request waits for a running row still computing a start of at least this many tokens that
+# its prompt shares, longer than any cache holds now.
+WAIT_FOR_SHARED = 64
 
 
 @dataclass(slots=True)
@@ -82,9 +85,16 @@ class Scheduler:
     def schedule(self) -> tuple[list[Request], list[Request]]:
         """This round's rows -> (feeding, decoding). Feeding rows have `prompt_fed` moved to
         the end of the chunk they feed this round."""
-        # 1. Join: waiting requests take free slots.
+        # 1. Join: waiting requests take free slots, but for one whose prompt starts as a
+        #    running row's that is still being computed: it waits to copy it (`_waits_for`).
+        waiting = []
         while self.waiting and len(self.running) < self.max_batch:
-            self._admit(self.waiting.popleft())
+            request = self.waiting.popleft()
+            if self._waits_for(request):
+                waiting.append(request)
+            else:
+                self._admit(request)
+        self.waiting.extendleft(reversed(waiting))
         # 2. Rows with more than a chunk of prompt left feed the next; the last chunk goes
         #    with the row's first decoding round.
         feeding, decoding = [], []
@@ -132,6 +142,31 @@ class Scheduler:
         request.stats.cached_prompt_tokens = min(request.prompt_fed, request.context - 1)
         self.running.append(request)
 
+    def _shares(self, request: Request) -> bool:
+        """Whether a joining request may start from other rows' caches (exact ones, its scope,
+        not a clean row, no own runner)."""
+        return (self.target.exact_prefixes and not self._own_runners and
+                request.params.lookup_scope is not None and not starts_clean(request.params))
+
+    def _waits_for(self, request: Request) -> bool:
+        """Whether a joining request should wait a round: a running row of its scope is still
+        computing a start of its prompt of WAIT_FOR_SHARED tokens or more, longer than any
+        cache holds. (Requests that arrive together with one long system prompt then compute
+        it once, and each only its own rest.)"""
+        if not self._shares(request):
+            return False
+        scope, prompt = request.params.lookup_scope, request.prompt_ids
+        held, coming = 0, 0
+        for runner, row_scope in [(s.runner, s.scope) for s in self._free] + \
+                [(r.runner, r.params.lookup_scope) for r in self.running]:
+            if row_scope == scope:
+                held = max(held, common_prefix(runner.cached_ids, prompt))
+        for row in self.running:
+            if row.params.lookup_scope == scope and \
+                    row.runner.cached_length < row.prompt_ids.numel():
+                coming = max(coming, common_prefix(row.prompt_ids, prompt))
+        return coming >= WAIT_FOR_SHARED and coming > held
+
     def _take(self, request: Request, clean: bool) -> _Slot:
         """A pooled slot for a joining request, its runner and drafter ready.
 
@@ -146,15 +181,24 @@ class Scheduler:
         goes to the drafter too where it can take it exactly (`copy_state`)."""
         params, prompt = request.params, request.prompt_ids
         exact = self.target.exact_prefixes
+        sharing = not clean and self._shares(request)
         best, longest = None, 0
-        for slot in self._free if exact and not clean and params.lookup_scope is not None else ():
+        for slot in self._free if sharing else ():
             shared = (common_prefix(slot.runner.cached_ids, prompt)
                       if slot.scope == params.lookup_scope else 0)
             if shared > longest:
                 best, longest = slot, shared
+        # a running row of the scope may hold a longer start: a source to copy from
+        source, copied = best, longest
+        for row in self.running if sharing else ():
+            shared = (common_prefix(row.runner.cached_ids, prompt)
+                      if row.params.lookup_scope == params.lookup_scope else 0)
+            if shared > copied:
+                source, copied = _Slot(row.runner, row.drafter, None), shared
         # 1. As it is.
-        if best is not None and (best.runner.cached_length - longest <= KEEP_SLACK or
-                                 (self._pooled >= self.max_batch and self._free[0] is best)):
+        if best is not None and source is best and (
+                best.runner.cached_length - longest <= KEEP_SLACK or
+                (self._pooled >= self.max_batch and self._free[0] is best)):
             self._free.remove(best)
             return best
         # 2. Another slot: the least recently freed, or a new one.
@@ -164,16 +208,17 @@ class Scheduler:
             self._pooled += 1
             drafter = None if self.drafter is None else self.drafter.fork()
             slot = _Slot(self.target.sibling(), drafter, params.lookup_scope)
-        # 3. Holding the best match's start (its source now the most recently used), or
+        # 3. Holding the longest start found (a free source now the most recently used), or
         #    nothing.
-        if best is None:
+        if source is None:
             slot.runner.reset()
         else:
-            slot.runner.copy_prefix(best.runner, longest)
-            self._free.remove(best)
-            self._free.append(best)
-        if slot.drafter is not None and (best is None or
-                                         not copy_state(slot.drafter, best.drafter, longest)):
+            slot.runner.copy_prefix(source.runner, copied)
+            if source is best:
+                self._free.remove(best)
+                self._free.append(best)
+        if slot.drafter is not None and (source is None or
+                                         not copy_state(slot.drafter, source.drafter, copied)):
             slot.drafter.reset()
         return slot
 
