@@ -57,7 +57,9 @@ def test_model_as_its_own_draft_is_always_accepted(smollm):
     spec = SpeculativeDecoder(model, tokenizer, drafter, k=3, runtime="native")
     out = spec.generate(PROMPTS[2], SamplingParams(max_new_tokens=24, temperature=0.7, seed=0,
                                                    ignore_eos=True))
-    assert out.stats.acceptance_rate == 1.0 and out.stats.checked >= 18
+    # the first round drafts nothing (the draft has not read the prompt: FIRST_ROUND_READ),
+    # then rounds of 3 drafts and a bonus token: 5 full rounds and a cut one
+    assert out.stats.acceptance_rate == 1.0 and out.stats.checked >= 15
 
 
 def test_cli_json_ngram_matches_none():
