@@ -344,3 +344,31 @@ def test_requests_arriving_together_compute_a_shared_start_once(tiny_file, fed):
     assert computed < 2 * len(prompts[0]) + 3 * 24 * 4  # the start once (drafts: 4 a token)
     for i, prompt in zip(ids, prompts, strict=True):
         assert outputs[i].token_ids == alone(decoder, prompt, GREEDY)
+
+
+def test_a_request_whose_admission_fails_fails_alone(decoder, monkeypatch):
+    """A request that raises while it joins (here: copying its start) leaves with its error;
+    the request beside it answers as alone, and the pool goes on serving."""
+    engine = decoder.engine(4)
+    run(engine, PROMPT_A, GREEDY)  # leaves START in a free cache
+    copy_prefix = NativeRunner.copy_prefix
+
+    def broken(runner, source, length):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(NativeRunner, "copy_prefix", broken)
+    failing = engine.add_request(PROMPT_B, GREEDY)  # shares START only: copied
+    other = engine.add_request([61, 62, 63] * 5, GREEDY)  # shares nothing
+    errors, outputs = {}, {}
+    while engine.has_work:
+        for event in engine.step():
+            if event.error is not None:
+                errors[event.request_id] = event.error
+            elif event.output is not None:
+                outputs[event.request_id] = event.output
+    assert set(errors) == {failing} and "copy failed" in str(errors[failing])
+    assert outputs[other].token_ids == alone(decoder, [61, 62, 63] * 5, GREEDY)
+    monkeypatch.setattr(NativeRunner, "copy_prefix", copy_prefix)
+    assert run(engine, PROMPT_B, GREEDY).token_ids == alone(decoder, PROMPT_B, GREEDY)
+    pool = engine.scheduler
+    assert len(pool._free) == pool._pooled  # every runner made is back in the pool

@@ -146,19 +146,20 @@ class Engine:
         """One round for every running request (after admitting waiting ones)."""
         # 1. Schedule: who joins, who feeds a prompt chunk, who decodes.
         feeding, decoding = self.scheduler.schedule()
+        refused = [self._fail(r, error) for r, error in self.scheduler.refused]
         rows = decoding + feeding
         if not rows:
-            return []
+            return refused
         # 2. One round for all of them; row by row again where it raises.
         snapshot = [_generator_state(r) for r in rows]
         try:
             verified = run_round(self.planner, feeding, decoding)
         except Exception as error:  # noqa: BLE001 - isolate the row that raised
             if len(rows) == 1:
-                return [self._fail(rows[0], error)]
-            return self._retry_alone(feeding, decoding, snapshot)
+                return refused + [self._fail(rows[0], error)]
+            return refused + self._retry_alone(feeding, decoding, snapshot)
         # 3. Each decoding row takes its tokens; finished rows leave.
-        return [self._advance(r, v) for r, v in zip(decoding, verified, strict=True)]
+        return refused + [self._advance(r, v) for r, v in zip(decoding, verified, strict=True)]
 
     def run(self) -> dict[int, GenerationOutput]:
         """Step until every request finished -> {request_id: GenerationOutput}; a request
@@ -236,7 +237,7 @@ class Engine:
         return GenerationOutput(text.text, ids, finish_reason, request.stats.finish())
 
     def _fail(self, request: Request, error: Exception) -> Event:
-        log.warning("request %d failed in its round: %s", request.request_id, error)
+        log.warning("request %d failed: %s", request.request_id, error)
         if request in self.scheduler.running:
             self.scheduler.release(request)
         return Event(request.request_id, "", [], error=error)

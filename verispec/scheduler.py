@@ -60,6 +60,7 @@ class Scheduler:
         self._own_runners: list[Runner] = list(runners)
         self._own_drafters: list[Drafter] = list(drafters)
         self._free: list[_Slot] = []  # least recently freed first
+        self.refused: list[tuple[Request, Exception]] = []  # the last schedule()'s failures
         self._pooled = 0  # runners made for the pool
 
     @property
@@ -87,13 +88,20 @@ class Scheduler:
         the end of the chunk they feed this round."""
         # 1. Join: waiting requests take free slots, but for one whose prompt starts as a
         #    running row's that is still being computed: it waits to copy it (`_waits_for`).
-        waiting = []
+        #    A request whose admission raises leaves with its error (`refused`), alone.
+        waiting, self.refused = [], []
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting.popleft()
             if self._waits_for(request):
                 waiting.append(request)
-            else:
+                continue
+            try:
                 self._admit(request)
+            except Exception as error:  # noqa: BLE001 - the others still join
+                if request.runner is not None and request not in self.running:
+                    # its slot goes back, never to be matched (no scope): emptied when taken
+                    self._free.append(_Slot(request.runner, request.drafter, None))
+                self.refused.append((request, error))
         self.waiting.extendleft(reversed(waiting))
         # 2. Rows with more than a chunk of prompt left feed the next; the last chunk goes
         #    with the row's first decoding round.
@@ -210,16 +218,20 @@ class Scheduler:
             slot = _Slot(self.target.sibling(), drafter, params.lookup_scope)
         # 3. Holding the longest start found (a free source now the most recently used), or
         #    nothing.
-        if source is None:
-            slot.runner.reset()
-        else:
-            slot.runner.copy_prefix(source.runner, copied)
-            if source is best:
-                self._free.remove(best)
-                self._free.append(best)
-        if slot.drafter is not None and (source is None or
-                                         not copy_state(slot.drafter, source.drafter, copied)):
-            slot.drafter.reset()
+        try:
+            if source is None:
+                slot.runner.reset()
+            else:
+                slot.runner.copy_prefix(source.runner, copied)
+                if source is best:
+                    self._free.remove(best)
+                    self._free.append(best)
+            if slot.drafter is not None and (source is None or not copy_state(
+                    slot.drafter, source.drafter, copied)):
+                slot.drafter.reset()
+        except Exception:
+            self._free.append(_Slot(slot.runner, slot.drafter, None))  # emptied when taken
+            raise
         return slot
 
 
