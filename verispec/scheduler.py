@@ -98,7 +98,7 @@ class Scheduler:
             try:
                 self._admit(request)
             except Exception as error:  # noqa: BLE001 - the others still join
-                if request.runner is not None and request not in self.running:
+                if request.runner is not None:
                     # its slot goes back, never to be matched (no scope): emptied when taken
                     self._free.append(_Slot(request.runner, request.drafter, None))
                 self.refused.append((request, error))
@@ -139,7 +139,7 @@ class Scheduler:
                 if request.drafter is not None:
                     request.drafter.reset()
         else:
-            slot = self._take(request, clean)
+            slot = self._take(request)
             request.runner, request.drafter = slot.runner, slot.drafter
         if request.drafter is None and self.drafter is not None:
             request.drafter = self.drafter.fork()
@@ -156,6 +156,17 @@ class Scheduler:
         return (self.target.exact_prefixes and not self._own_runners and
                 request.params.lookup_scope is not None and not starts_clean(request.params))
 
+    def _sources(self, request: Request) -> tuple[list[_Slot], list[_Slot]]:
+        """The caches a request may start from: its scope's free slots (least recently freed
+        first) and its scope's running rows (to copy from only); none where it does not share
+        (`_shares`)."""
+        if not self._shares(request):
+            return [], []
+        scope = request.params.lookup_scope
+        return ([slot for slot in self._free if slot.scope == scope],
+                [_Slot(r.runner, r.drafter, scope) for r in self.running
+                 if r.params.lookup_scope == scope])
+
     def _waits_for(self, request: Request) -> bool:
         """Whether a joining request should wait a round: a running row of its scope is still
         computing a start of its prompt of WAIT_FOR_SHARED tokens or more, longer than any
@@ -164,18 +175,14 @@ class Scheduler:
         if not self._shares(request):
             return False
         scope, prompt = request.params.lookup_scope, request.prompt_ids
-        held, coming = 0, 0
-        for runner, row_scope in [(s.runner, s.scope) for s in self._free] + \
-                [(r.runner, r.params.lookup_scope) for r in self.running]:
-            if row_scope == scope:
-                held = max(held, common_prefix(runner.cached_ids, prompt))
-        for row in self.running:
-            if row.params.lookup_scope == scope and \
-                    row.runner.cached_length < row.prompt_ids.numel():
-                coming = max(coming, common_prefix(row.prompt_ids, prompt))
+        free, running = self._sources(request)
+        _, held = _longest_start(free + running, prompt)
+        coming = max((common_prefix(row.prompt_ids, prompt) for row in self.running
+                      if row.params.lookup_scope == scope and
+                      row.runner.cached_length < row.prompt_ids.numel()), default=0)
         return coming >= WAIT_FOR_SHARED and coming > held
 
-    def _take(self, request: Request, clean: bool) -> _Slot:
+    def _take(self, request: Request) -> _Slot:
         """A pooled slot for a joining request, its runner and drafter ready.
 
         Where caches are exact, the free slot of the request's scope whose cache holds the
@@ -184,25 +191,14 @@ class Scheduler:
         template may close the last answer otherwise than it was generated), else copied into
         a new slot while the pool has fewer than max_batch, or into the least recently freed
         one, so that what it holds past the shared start stays for the request it belongs to
-        (and the source counts as used). A clean row, a row without a scope and a prompt that
-        matches none take a new slot, or the least recently freed one emptied. A copied start
-        goes to the drafter too where it can take it exactly (`copy_state`)."""
-        params, prompt = request.params, request.prompt_ids
-        exact = self.target.exact_prefixes
-        sharing = not clean and self._shares(request)
-        best, longest = None, 0
-        for slot in self._free if sharing else ():
-            shared = (common_prefix(slot.runner.cached_ids, prompt)
-                      if slot.scope == params.lookup_scope else 0)
-            if shared > longest:
-                best, longest = slot, shared
-        # a running row of the scope may hold a longer start: a source to copy from
-        source, copied = best, longest
-        for row in self.running if sharing else ():
-            shared = (common_prefix(row.runner.cached_ids, prompt)
-                      if row.params.lookup_scope == params.lookup_scope else 0)
-            if shared > copied:
-                source, copied = _Slot(row.runner, row.drafter, None), shared
+        (and the source counts as used); a running row's longer start is copied likewise. A
+        clean row, a row without a scope and a prompt that matches none take a new slot, or
+        the least recently freed one emptied. A copied start goes to the drafter too where it
+        can take it exactly (`copy_state`)."""
+        exact, prompt = self.target.exact_prefixes, request.prompt_ids
+        free, running = self._sources(request)
+        best, longest = _longest_start(free, prompt)
+        source, copied = _longest_start(free + running, prompt)  # ties: the free slot
         # 1. As it is.
         if best is not None and source is best and (
                 best.runner.cached_length - longest <= KEEP_SLACK or
@@ -215,7 +211,7 @@ class Scheduler:
         else:
             self._pooled += 1
             drafter = None if self.drafter is None else self.drafter.fork()
-            slot = _Slot(self.target.sibling(), drafter, params.lookup_scope)
+            slot = _Slot(self.target.sibling(), drafter, request.params.lookup_scope)
         # 3. Holding the longest start found (a free source now the most recently used), or
         #    nothing.
         try:
@@ -243,3 +239,14 @@ def starts_clean(params: SamplingParams) -> bool:
     whatever requests came before. Greedy rows give the target's output whatever is proposed,
     and verify="invariant" draws do not depend on the drafts."""
     return not params.greedy and params.seed is not None and params.verify != "invariant"
+
+
+def _longest_start(slots: list[_Slot], prompt) -> tuple[_Slot | None, int]:
+    """The first of `slots` whose runner's cache holds the longest start of prompt [L], and
+    its length (None, 0: none holds any)."""
+    best, longest = None, 0
+    for slot in slots:
+        shared = common_prefix(slot.runner.cached_ids, prompt)
+        if shared > longest:
+            best, longest = slot, shared
+    return best, longest

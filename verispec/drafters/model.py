@@ -60,8 +60,7 @@ class ModelDrafter:
     def copy_state(self, source: ModelDrafter, length: int) -> bool:
         """verispec.drafters.drafter.copy_state: the source's cached first `length` tokens (as
         many as it holds), where the draft's caches are exact (`Runner.exact_prefixes`)."""
-        if not (isinstance(source, ModelDrafter) and self.runner.exact_prefixes and
-                source.runner.exact_prefixes):
+        if not (isinstance(source, ModelDrafter) and self.runner.exact_prefixes):
             return False
         length = min(length, source.runner.cached_length)
         if length == 0:  # nothing to copy (a source that never drafted): start empty
