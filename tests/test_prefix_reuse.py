@@ -3,7 +3,8 @@ cut into passes (GGUF models on the native runtime), a request starts from the c
 request left for the start of the prompt they share, feeds only the rest, and its output is the
 same bits as from an empty cache; only requests of one lookup scope share; another request's
 cache survives a prompt that shares only its start; a runtime without the guarantee never
-shares; a seeded sampled row starts clean."""
+shares; a seeded sampled row starts clean; the caches of requests that left stay within their
+memory bound."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from test_server import running
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.config import DecodeConfig
+from verispec.drafters.drafter import cache_bytes
+from verispec.engine import Engine
 from verispec.quant.gguf import read
 from verispec.quant.quantized_model import GGUFModel
+from verispec.runtime.hf import HFRunner
 from verispec.runtime.native.gguf_model import GGUFLlama, gguf_runner
 from verispec.runtime.native.llama import NativeLlama
 from verispec.runtime.native.native_runner import NativeRunner
@@ -372,3 +376,64 @@ def test_a_request_whose_admission_fails_fails_alone(decoder, monkeypatch):
     assert run(engine, PROMPT_B, GREEDY).token_ids == alone(decoder, PROMPT_B, GREEDY)
     pool = engine.scheduler
     assert len(pool._free) == pool._pooled  # every runner made is back in the pool
+
+
+def test_a_runners_cache_bytes_count_what_it_keeps(tiny_file, tokenizer, tmp_path):
+    """A native runner keeps its buffers through a reset (and says so); a transformers runner
+    drops them; a hybrid drafter counts its draft model's cache."""
+    runner = gguf_runner(GGUFModel(read(tiny_file)))
+    assert runner.cache_bytes == 0
+    runner.logits(torch.tensor(PROMPT_A), 1)
+    held, shape = runner.cache_bytes, runner.model.shape
+    assert held >= len(PROMPT_A) * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4 * 2
+    runner.reset()
+    assert runner.cache_bytes == held
+    hf = HFRunner(tiny_llama(EOS_ID + 1, seed=4, dtype=torch.float32))
+    hf.logits(torch.tensor(PROMPT_A), 1)
+    assert hf.cache_bytes > 0
+    hf.reset()
+    assert hf.cache_bytes == 0
+    draft_file = tmp_path / "draft.gguf"
+    write_tiny_gguf(draft_file, seed=1)
+    drafter = SpeculativeDecoder.from_pretrained(tiny_file, draft=f"hybrid:{draft_file}",
+                                                 dequantize=None).drafter
+    assert cache_bytes(drafter) == 0 and cache_bytes(None) == 0
+    drafter.model.catch_up(torch.tensor(PROMPT_A))
+    assert cache_bytes(drafter) == drafter.model.runner.cache_bytes > 0
+
+
+def test_the_caches_of_requests_that_left_stay_within_their_bound(decoder):
+    """Unrelated prompts, one after another: without a bound the pool keeps a cache for each;
+    with one, the free caches hold at most that many bytes, the least recently used dropped
+    first, and every answer is still the one alone."""
+    prompts = [[(7 * j + 11 * i) % 89 + 3 for j in range(30 + 6 * i)] for i in range(4)]
+    unbounded = decoder.engine(4, idle_cache_bytes=1 << 40)
+    for prompt in prompts:
+        run(unbounded, prompt, GREEDY)
+    pool = unbounded.scheduler
+    assert pool._pooled == len(pool._free) == 4
+    one = max(slot.runner.cache_bytes for slot in pool._free)
+    assert pool.idle_bytes >= 4 * one > 0
+    engine = decoder.engine(4, idle_cache_bytes=2 * one)  # room for two
+    for prompt in prompts:
+        assert run(engine, prompt, GREEDY).token_ids == alone(decoder, prompt, GREEDY)
+        assert 0 < engine.scheduler.idle_bytes <= 2 * one
+    assert engine.scheduler._pooled == len(engine.scheduler._free) == 2
+    # the most recent prompt's next turn starts from its cache; the first one's afresh
+    assert run(engine, prompts[-1] + [90], GREEDY).stats.cached_prompt_tokens > 0
+    assert run(engine, prompts[0] + [90], GREEDY).stats.cached_prompt_tokens == 0
+
+
+def test_no_room_keeps_nothing_but_the_decoders_own_runner(decoder):
+    engine = Engine(decoder._model(), max_batch=2, runners=[decoder.target],
+                    idle_cache_bytes=0)
+    first = run(engine, PROMPT_A, GREEDY)
+    assert [slot.runner for slot in engine.scheduler._free] == [decoder.target]
+    second = run(engine, PROMPT_B, GREEDY)  # on a new pooled runner, dropped as it leaves
+    assert [slot.runner for slot in engine.scheduler._free] == [decoder.target]
+    assert second.token_ids == alone(decoder, PROMPT_B, GREEDY)
+    assert first.token_ids == alone(decoder, PROMPT_A, GREEDY)
+    with pytest.raises(ValueError, match="idle_cache_bytes"):
+        decoder.engine(2, idle_cache_bytes=-1)
+    with pytest.raises(ValueError, match="idle_cache_bytes"):
+        ServerConfig(idle_cache_bytes=-1)

@@ -252,7 +252,8 @@ def test_models_health_and_metrics(client, url):
                  "verispec_draft_tokens_accepted_total", "verispec_draft_position_checked_total{",
                  "verispec_draft_position_accepted_total{",
                  "verispec_time_to_first_token_seconds_bucket",
-                 "verispec_request_latency_seconds_bucket", "verispec_requests_in_flight"):
+                 "verispec_request_latency_seconds_bucket", "verispec_requests_in_flight",
+                 "verispec_idle_cache_bytes"):
         assert name in text, name
     assert 'verispec_requests_total{path="/v1/completions",status="200"}' in text
     assert metric(url, "verispec_time_to_first_token_seconds_count") >= 1

@@ -114,6 +114,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "as one of them starts from its cached keys and values (GGUF "
                             "models): per-key (default: requests with the same API key), "
                             "shared (every request), off (none)")
+    serve.add_argument("--idle-cache-mb", type=int, default=None, metavar="MB",
+                       help="memory the KV caches of finished requests may keep for later "
+                            "requests to start from; past it the least recently used go "
+                            "(default: an eighth of the machine's memory; 0 keeps none)")
     ray = serve.add_argument_group("several machines (Ray Serve; pip install 'verispec[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve from replicas on a Ray cluster, requests that share a prompt "
@@ -141,7 +145,8 @@ def serve_config(args: argparse.Namespace):
         args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
         protect_metrics=args.protect_metrics, docs=args.docs,
-        shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache)
+        shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache,
+        idle_cache_bytes=None if args.idle_cache_mb is None else args.idle_cache_mb << 20)
 
 
 def serve_decoder(args: argparse.Namespace):

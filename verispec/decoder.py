@@ -120,13 +120,14 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset()
 
-    def engine(self, max_batch: int = 16) -> Engine:
+    def engine(self, max_batch: int = 16, idle_cache_bytes: int | None = None) -> Engine:
         """An engine for a batch of requests (`Engine.add_request` / `step`; continuous
         batching, up to max_batch rows at once), on this decoder's target, drafter, knobs and
         cost models as they are now (a later `share_costs` or change of `config` reaches the
-        engines built after it); its rows' caches are pooled runners and drafters, emptied for
-        each."""
-        return Engine(self._model(), max_batch=max_batch)
+        engines built after it); its rows' caches are pooled runners and drafters, which keep
+        what a request may start from (`verispec.scheduler`), up to idle_cache_bytes for the
+        rows that left (None: an eighth of the machine's memory)."""
+        return Engine(self._model(), max_batch=max_batch, idle_cache_bytes=idle_cache_bytes)
 
     def _model(self) -> Model:
         return Model(self.target, self.drafter, self.tokenizer, self.eos_ids, self.config,

@@ -92,12 +92,14 @@ class Model:
 
 class Engine:
     def __init__(self, model: Model, max_batch: int = 16, runners: Iterable[Runner] = (),
-                 drafters: Iterable[Drafter] = ()) -> None:
+                 drafters: Iterable[Drafter] = (), idle_cache_bytes: int | None = None) -> None:
         """runners, drafters: used first, caches kept (a decoder's own, for a lone prompt, so
-        its KV cache carries over from one prompt to the next)."""
+        its KV cache carries over from one prompt to the next). idle_cache_bytes: what the
+        caches of rows that left may hold together (None: an eighth of the machine's memory;
+        `verispec.scheduler`)."""
         self.model = model
         self.scheduler = Scheduler(max_batch, model.config, model.target, model.drafter,
-                                   runners, drafters)
+                                   runners, drafters, idle_cache_bytes)
         self.planner = RoundPlanner(model.drafter, model.config, model.costs.prices,
                                     model.costs.observed)
         self._ids = itertools.count()

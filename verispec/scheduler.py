@@ -15,16 +15,23 @@ feeds only the rest. Its output is the same bits as from an empty cache. Only re
 `SamplingParams.lookup_scope` share (a server's API key; None: none); a seeded sampled row
 starts clean (`starts_clean`); a pool keeps up to max_batch caches, the least recently used one
 emptied for a prompt that matches none.
+
+Memory. A native runner keeps its cache's buffers after a reset (grown to the longest sequence
+it has held), so a pool's caches hold memory after their requests leave. The free slots' caches
+(`Runner.cache_bytes` and the drafters') stay within `idle_cache_bytes` together: past it the
+least recently used free slots are dropped, runner, drafter and all, and a later request makes
+new ones. Running rows hold what they need.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
-from verispec.drafters.drafter import Drafter, copy_state, follow_target, retire
+from verispec.drafters.drafter import Drafter, cache_bytes, copy_state, follow_target, retire
 from verispec.params import SamplingParams
 from verispec.request import Request
 from verispec.runtime import Runner, common_prefix
@@ -33,6 +40,15 @@ KEEP_SLACK = 16  # tokens of a free cache a request may drop and still take it a
 # A request waits for a running row still computing a start of at least this many tokens that
 # its prompt shares, longer than any cache holds now.
 WAIT_FOR_SHARED = 64
+
+
+def default_idle_cache_bytes() -> int:
+    """What a pool's free caches may hold by default: an eighth of the machine's memory (2 GiB
+    where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (ValueError, OSError, AttributeError):
+        return 2 << 30
 
 
 @dataclass(slots=True)
@@ -47,18 +63,28 @@ class _Slot:
 class Scheduler:
     def __init__(self, max_batch: int, config: DecodeConfig, target: Runner,
                  drafter: Drafter | None, runners: Iterable[Runner] = (),
-                 drafters: Iterable[Drafter] = ()) -> None:
+                 drafters: Iterable[Drafter] = (), idle_cache_bytes: int | None = None) -> None:
         """target, drafter: what pooled runners and drafters are made from (`sibling`,
         `fork`). runners, drafters: taken first, as they are (caches kept), so a lone prompt
-        on a decoder's own runner reuses what the previous prompt left in its cache."""
+        on a decoder's own runner reuses what the previous prompt left in its cache (they are
+        never dropped). idle_cache_bytes: what free slots' caches may hold together (None:
+        `default_idle_cache_bytes`; the module docstring)."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if idle_cache_bytes is None:
+            idle_cache_bytes = default_idle_cache_bytes()
+        if (isinstance(idle_cache_bytes, bool) or not isinstance(idle_cache_bytes, int)
+                or idle_cache_bytes < 0):
+            raise ValueError(f"idle_cache_bytes must be an integer >= 0, got "
+                             f"{idle_cache_bytes!r}")
         self.max_batch, self.config = max_batch, config
+        self.idle_cache_bytes = idle_cache_bytes
         self.target, self.drafter = target, drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._own_runners: list[Runner] = list(runners)
         self._own_drafters: list[Drafter] = list(drafters)
+        self._kept = {id(runner) for runner in self._own_runners}  # never dropped
         self._free: list[_Slot] = []  # least recently freed first
         self.refused: list[tuple[Request, Exception]] = []  # the last schedule()'s failures
         self._pooled = 0  # runners made for the pool
@@ -103,6 +129,7 @@ class Scheduler:
                     self._free.append(_Slot(request.runner, request.drafter, None))
                 self.refused.append((request, error))
         self.waiting.extendleft(reversed(waiting))
+        self._trim()
         # 2. Rows with more than a chunk of prompt left feed the next; the last chunk goes
         #    with the row's first decoding round.
         feeding, decoding = [], []
@@ -122,6 +149,25 @@ class Scheduler:
         if request.drafter is not None:
             retire(request.drafter, request.history, request.params)
         self._free.append(_Slot(request.runner, request.drafter, request.params.lookup_scope))
+        self._trim()
+
+    @property
+    def idle_bytes(self) -> int:
+        """What the free slots' caches hold now, in bytes."""
+        return sum(_held(slot) for slot in self._free)
+
+    def _trim(self) -> None:
+        """Drop the least recently used free slots (not the decoder's own) while the free
+        slots' caches hold more than idle_cache_bytes."""
+        held = [_held(slot) for slot in self._free]
+        total, index = sum(held), 0
+        while total > self.idle_cache_bytes and index < len(self._free):
+            if id(self._free[index].runner) in self._kept:
+                index += 1
+                continue
+            total -= held.pop(index)
+            self._free.pop(index)
+            self._pooled -= 1
 
     def _admit(self, request: Request) -> None:
         """A row joins with a runner and drafter of its own. Own ones keep their caches, so a
@@ -239,6 +285,11 @@ def starts_clean(params: SamplingParams) -> bool:
     whatever requests came before. Greedy rows give the target's output whatever is proposed,
     and verify="invariant" draws do not depend on the drafts."""
     return not params.greedy and params.seed is not None and params.verify != "invariant"
+
+
+def _held(slot: _Slot) -> int:
+    """The bytes a slot's runner and drafter caches hold."""
+    return slot.runner.cache_bytes + cache_bytes(slot.drafter)
 
 
 def _longest_start(slots: list[_Slot], prompt) -> tuple[_Slot | None, int]:

@@ -77,8 +77,9 @@ class Drafter(Protocol):
     """What every drafter does. Some methods are optional (called through the helpers below
     when a drafter has them): `follow(runner)`, for one that reads the target's hidden states,
     `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in,
-    `retire(history, params)`, for one that learns from the requests that leave, and
-    `copy_state(source, length)`, for one that can start from another's cached prefix."""
+    `retire(history, params)`, for one that learns from the requests that leave,
+    `copy_state(source, length)`, for one that can start from another's cached prefix, and
+    `cache_bytes()`, for one whose own caches hold memory."""
 
     name: str
 
@@ -186,6 +187,13 @@ def unread(drafter: Drafter | None, history: torch.Tensor) -> int:
     that read the target's features as it goes."""
     count = getattr(drafter, "unread", None)
     return 0 if count is None else count(history)
+
+
+def cache_bytes(drafter: Drafter | None) -> int:
+    """The memory a drafter's own caches hold (one with `cache_bytes`: a draft model's KV
+    cache, a feature draft's layer cache), 0 for lookups and none."""
+    count = getattr(drafter, "cache_bytes", None)
+    return 0 if count is None else count()
 
 
 def copy_state(drafter: Drafter, source: Drafter | None, length: int) -> bool:

@@ -85,6 +85,11 @@ class FeatureDrafter:
     def reset(self) -> None:
         self.fed = torch.empty(0, dtype=torch.long)
 
+    def cache_bytes(self) -> int:
+        """verispec.drafters.drafter.cache_bytes: the draft layer's cache (the features it
+        reads are the target runner's)."""
+        return 0 if self.cache is None else self.cache.nbytes
+
     def width_for(self, params: SamplingParams) -> int:
         """How wide this row's trees are (1: chains)."""
         return self.tree_width if params.greedy else self.sampled_tree_width

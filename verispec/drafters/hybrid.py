@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.drafter import Draft, catch_up, copy_state, follow_target, unread
+from verispec.drafters.drafter import (
+    Draft,
+    cache_bytes,
+    catch_up,
+    copy_state,
+    follow_target,
+    unread,
+)
 from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.suffix import SuffixDrafter
@@ -52,6 +59,10 @@ class HybridDrafter:
     def copy_state(self, source: HybridDrafter, length: int) -> bool:
         """The draft model's cached prefix from another hybrid's (the lookup keeps no state)."""
         return isinstance(source, HybridDrafter) and copy_state(self.model, source.model, length)
+
+    def cache_bytes(self) -> int:
+        """The draft model's cache (the lookup's text is bounded on its own)."""
+        return cache_bytes(self.model)
 
     def fork(self) -> HybridDrafter:
         return HybridDrafter(self.model.fork(), lookup=self.lookup.fork())

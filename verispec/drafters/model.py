@@ -57,6 +57,10 @@ class ModelDrafter:
         """Tokens of history [L] not in the draft's cache: its next proposal feeds them."""
         return int(history.numel()) - common_prefix(self.runner.cached_ids, history)
 
+    def cache_bytes(self) -> int:
+        """verispec.drafters.drafter.cache_bytes: the draft model's KV cache."""
+        return self.runner.cache_bytes
+
     def copy_state(self, source: ModelDrafter, length: int) -> bool:
         """verispec.drafters.drafter.copy_state: the source's cached first `length` tokens (as
         many as it holds), where the draft's caches are exact (`Runner.exact_prefixes`)."""

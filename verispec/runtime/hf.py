@@ -47,6 +47,13 @@ class HFRunner(PrefixRunner):
         """Another sequence on the same model, with its own cache."""
         return HFRunner(self.model)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Runner.cache_bytes: the layers' key and value buffers (a reset drops them)."""
+        tensors = (getattr(layer, name, None) for layer in self._cache.layers
+                   for name in ("keys", "values"))
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor, num_logits: int = 1,
                parents: torch.Tensor | None = None) -> torch.Tensor:

@@ -73,6 +73,12 @@ class Runner(Protocol):
         sibling (runners with exact_prefixes only)."""
         ...
 
+    @property
+    def cache_bytes(self) -> int:
+        """The memory its cache holds now, in bytes: kept after a reset where a runtime keeps
+        its buffers for the next sequence (the native one), so a pool of runners may count it."""
+        ...
+
 
 class PrefixRunner(ABC):
     """The bookkeeping of which tokens a runner's cache holds, shared by every runtime.

@@ -61,12 +61,13 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
     (default ServerConfig()). `app.state.draining = True` turns new requests away (503).
     metric_labels: set on every sample of /metrics (one replica among several: its id)."""
     config = config or ServerConfig()
-    engine = EngineThread(decoder, max_batch=config.max_batch, max_queue=config.max_queue)
+    engine = EngineThread(decoder, max_batch=config.max_batch, max_queue=config.max_queue,
+                          idle_cache_bytes=config.idle_cache_bytes)
     prompts = Prompts(decoder, config.max_prompt_tokens)
     cache = getattr(decoder.drafter, "cache", None)  # a cross-request lookup's (--draft suffix)
     metrics = Metrics(in_flight=lambda: engine.outstanding,
                       suffix_cache=cache.usage if isinstance(cache, SuffixCache) else None,
-                      labels=metric_labels)
+                      labels=metric_labels, idle_cache_bytes=lambda: engine.idle_bytes)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -25,10 +25,12 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 class Metrics:
     def __init__(self, in_flight: Callable[[], int],
                  suffix_cache: Callable[[], CacheUsage] | None = None,
-                 labels: dict[str, str] | None = None) -> None:
+                 labels: dict[str, str] | None = None,
+                 idle_cache_bytes: Callable[[], int] | None = None) -> None:
         """in_flight: how many requests the engine holds (waiting or running), read on scrape;
         suffix_cache: what a cross-request lookup cache holds (`SuffixCache.usage`), where the
-        drafter has one; labels: set on every sample (e.g. {"replica": "ab12"})."""
+        drafter has one; labels: set on every sample (e.g. {"replica": "ab12"});
+        idle_cache_bytes: what the KV caches of requests that left hold, read on scrape."""
         self.labels = dict(labels or {})
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("verispec_requests", "HTTP requests by path and status",
@@ -66,6 +68,10 @@ class Metrics:
                                  registry=registry)
         Gauge("verispec_requests_in_flight", "requests waiting or running in the engine",
               registry=registry).set_function(in_flight)
+        if idle_cache_bytes is not None:
+            Gauge("verispec_idle_cache_bytes", "memory the KV caches of requests that left "
+                  "keep for later requests to start from (bounded by --idle-cache-mb)",
+                  registry=registry).set_function(idle_cache_bytes)
         if suffix_cache is not None:
             for field, help_text in (
                     ("tokens", "earlier requests' tokens the lookup cache holds"),

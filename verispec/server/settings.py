@@ -18,7 +18,9 @@ class ServerConfig:
     requests in flight have shutdown_timeout seconds to finish, then they are cancelled.
     suffix_cache: whose earlier prompts and outputs may serve a request (`lookup_scope`): what
     a cross-request lookup proposes, and the cached start of a prompt (`verispec.scheduler`):
-    "per-key" those sent with the same API key, "shared" all, "off" none."""
+    "per-key" those sent with the same API key, "shared" all, "off" none. idle_cache_bytes: what
+    the caches of requests that left may hold together, kept for later requests to start from
+    (None: an eighth of the machine's memory)."""
 
     max_batch: int = 16
     max_queue: int = 64
@@ -29,6 +31,7 @@ class ServerConfig:
     docs: bool = False
     shutdown_timeout: float = 10.0
     suffix_cache: str = "per-key"
+    idle_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
@@ -46,6 +49,8 @@ class ServerConfig:
                f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         _check(self.suffix_cache in SUFFIX_CACHE_MODES,
                f"suffix_cache must be one of {SUFFIX_CACHE_MODES}, got {self.suffix_cache!r}")
+        _check(self.idle_cache_bytes is None or self.idle_cache_bytes >= 0,
+               f"idle_cache_bytes must be >= 0, got {self.idle_cache_bytes}")
 
     def lookup_scope(self, authorization: str | None) -> str | None:
         """The `SamplingParams.lookup_scope` of a request sent with this Authorization header

@@ -97,14 +97,16 @@ class EngineThread:
     """The engine on its own thread; `submit` and `cancel` are called from the event loop."""
 
     def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64,
-                 measure_after_idle_s: float = MEASURE_AFTER_IDLE_S) -> None:
+                 measure_after_idle_s: float = MEASURE_AFTER_IDLE_S,
+                 idle_cache_bytes: int | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.decoder = decoder
         self.max_batch = max_batch
         self.measure_after_idle_s = measure_after_idle_s
         self.capacity = max_batch + max_queue
-        self._engine = decoder.engine(max_batch)
+        self.idle_cache_bytes = idle_cache_bytes
+        self._engine = decoder.engine(max_batch, idle_cache_bytes)
         self._commands: queue.Queue[_Add | _Cancel | _Stop] = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}  # engine id -> handle (engine thread)
         self._lock = threading.Lock()
@@ -112,6 +114,12 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
         # batch sizes to measure while idle (None: not asked yet; the engine thread's business)
         self._to_measure: list[int] | None = None
+
+    @property
+    def idle_bytes(self) -> int:
+        """What the engine's pooled caches of requests that left hold (read from any thread:
+        a snapshot of a pool the engine thread may be changing)."""
+        return self._engine.scheduler.idle_bytes
 
     @property
     def outstanding(self) -> int:
@@ -242,7 +250,7 @@ class EngineThread:
                 self._leave()
                 _post(handle, GenerationFailed("generation failed"))
             self._handles.clear()
-            self._engine = self.decoder.engine(self.max_batch)
+            self._engine = self.decoder.engine(self.max_batch, self.idle_cache_bytes)
             return
         for event in events:
             handle = self._handles[event.request_id]

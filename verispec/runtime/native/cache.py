@@ -55,6 +55,12 @@ class KVCache:
             self.taps = self._grown(self.taps, (capacity, len(self.tap_layers),
                                                 self.shape.hidden_size))
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its buffers hold (grown to the longest sequence it has held)."""
+        buffers = (self.keys, self.values, self.features, self.taps)
+        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
+
     def copy_prefix(self, source: KVCache, length: int) -> None:
         """Hold `source`'s first `length` positions (keys, values, features, taps), a cache of
         the same model with the same taps."""

@@ -43,6 +43,10 @@ class NativeRunner(PrefixRunner):
         return NativeRunner(self.model, self.tap_layers)
 
     @property
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
     def tap_layers(self) -> tuple[int, ...]:
         """The layer counts after which this runner keeps every position's hidden state."""
         return self.cache.tap_layers
