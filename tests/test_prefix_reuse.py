@@ -152,6 +152,7 @@ def test_a_feature_draft_over_a_reused_cache(tiny_file):
     second = run(engine, PROMPT_B, GREEDY)
     assert second.stats.cached_prompt_tokens == len(START) and second.stats.drafted > 0
     assert second.token_ids == alone(decoder, PROMPT_B, GREEDY)
+    assert all(cache_bytes(slot.drafter) > 0 for slot in engine.scheduler._free)  # its layer's
     for seed in range(3):
         params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=seed)
         first, again = run(engine, PROMPT_A, params), run(engine, PROMPT_A, params)
@@ -244,6 +245,9 @@ def test_the_server_reports_cached_tokens_per_api_key(decoder):
         counted = next(line for line in httpx.get(f"{url}/metrics").text.splitlines()
                        if line.startswith("verispec_prompt_tokens_cached_total"))
         assert float(counted.split()[-1]) == repeated + shared
+        idle = next(line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                    if line.startswith("verispec_idle_cache_bytes "))
+        assert float(idle.split()[-1]) > 0  # the finished requests' caches, kept
 
 
 @pytest.mark.parametrize("params", [GREEDY, INVARIANT], ids=["greedy", "seeded invariant"])
@@ -390,7 +394,12 @@ def test_a_runners_cache_bytes_count_what_it_keeps(tiny_file, tokenizer, tmp_pat
     assert runner.cache_bytes == held
     hf = HFRunner(tiny_llama(EOS_ID + 1, seed=4, dtype=torch.float32))
     hf.logits(torch.tensor(PROMPT_A), 1)
-    assert hf.cache_bytes > 0
+    config = hf.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    buffers = config.num_hidden_layers * 2 * config.num_key_value_heads * 256 * head_dim * 4
+    assert hf.cache_bytes == buffers  # whole buffers of 256 positions, not their views
+    hf.rollback(5)
+    assert hf.cache_bytes == buffers
     hf.reset()
     assert hf.cache_bytes == 0
     draft_file = tmp_path / "draft.gguf"
@@ -431,6 +440,7 @@ def test_no_room_keeps_nothing_but_the_decoders_own_runner(decoder):
     assert [slot.runner for slot in engine.scheduler._free] == [decoder.target]
     second = run(engine, PROMPT_B, GREEDY)  # on a new pooled runner, dropped as it leaves
     assert [slot.runner for slot in engine.scheduler._free] == [decoder.target]
+    assert engine.scheduler._pooled == 0 and engine.scheduler.idle_bytes == 0
     assert second.token_ids == alone(decoder, PROMPT_B, GREEDY)
     assert first.token_ids == alone(decoder, PROMPT_A, GREEDY)
     with pytest.raises(ValueError, match="idle_cache_bytes"):

@@ -127,6 +127,7 @@ class Scheduler:
                 if request.runner is not None:
                     # its slot goes back, never to be matched (no scope): emptied when taken
                     self._free.append(_Slot(request.runner, request.drafter, None))
+                    request.runner = request.drafter = None  # the pool's alone, to drop
                 self.refused.append((request, error))
         self.waiting.extendleft(reversed(waiting))
         self._trim()
@@ -153,21 +154,21 @@ class Scheduler:
 
     @property
     def idle_bytes(self) -> int:
-        """What the free slots' caches hold now, in bytes."""
-        return sum(_held(slot) for slot in self._free)
+        """What the free pooled slots' caches hold now, in bytes (the decoder's own runners,
+        which it holds anyway, not counted)."""
+        return sum(_held(slot) for slot in self._free if id(slot.runner) not in self._kept)
 
     def _trim(self) -> None:
-        """Drop the least recently used free slots (not the decoder's own) while the free
-        slots' caches hold more than idle_cache_bytes."""
-        held = [_held(slot) for slot in self._free]
-        total, index = sum(held), 0
-        while total > self.idle_cache_bytes and index < len(self._free):
-            if id(self._free[index].runner) in self._kept:
-                index += 1
-                continue
-            total -= held.pop(index)
-            self._free.pop(index)
+        """Drop the least recently used free pooled slots while their caches hold more than
+        idle_cache_bytes."""
+        pooled = [slot for slot in self._free if id(slot.runner) not in self._kept]
+        total = sum(held := [_held(slot) for slot in pooled])
+        for slot, size in zip(pooled, held, strict=True):
+            if total <= self.idle_cache_bytes:
+                break
+            self._free.remove(slot)
             self._pooled -= 1
+            total -= size
 
     def _admit(self, request: Request) -> None:
         """A row joins with a runner and drafter of its own. Own ones keep their caches, so a
@@ -288,8 +289,8 @@ def starts_clean(params: SamplingParams) -> bool:
 
 
 def _held(slot: _Slot) -> int:
-    """The bytes a slot's runner and drafter caches hold."""
-    return slot.runner.cache_bytes + cache_bytes(slot.drafter)
+    """The bytes a slot's runner and drafter caches hold (0 for a runner that does not say)."""
+    return getattr(slot.runner, "cache_bytes", 0) + cache_bytes(slot.drafter)
 
 
 def _longest_start(slots: list[_Slot], prompt) -> tuple[_Slot | None, int]:

@@ -49,10 +49,19 @@ class HFRunner(PrefixRunner):
 
     @property
     def cache_bytes(self) -> int:
-        """Runner.cache_bytes: the layers' key and value buffers (a reset drops them)."""
-        tensors = (getattr(layer, name, None) for layer in self._cache.layers
-                   for name in ("keys", "values"))
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        """Runner.cache_bytes: the storage under every tensor the cache's layers hold (a
+        PreallocatedLayer's whole buffers, not the views of its first positions; a recurrent
+        layer's states), each storage once; a reset drops them."""
+        storages = {}
+        for layer in self._cache.layers:
+            for value in vars(layer).values():
+                values = value.values() if isinstance(value, dict) else (
+                    value if isinstance(value, list | tuple) else (value,))
+                for tensor in values:
+                    if isinstance(tensor, torch.Tensor):
+                        storage = tensor.untyped_storage()
+                        storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor, num_logits: int = 1,

@@ -49,8 +49,10 @@ class ServerConfig:
                f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         _check(self.suffix_cache in SUFFIX_CACHE_MODES,
                f"suffix_cache must be one of {SUFFIX_CACHE_MODES}, got {self.suffix_cache!r}")
-        _check(self.idle_cache_bytes is None or self.idle_cache_bytes >= 0,
-               f"idle_cache_bytes must be >= 0, got {self.idle_cache_bytes}")
+        _check(self.idle_cache_bytes is None or (
+                   isinstance(self.idle_cache_bytes, int) and
+                   not isinstance(self.idle_cache_bytes, bool) and self.idle_cache_bytes >= 0),
+               f"idle_cache_bytes must be an integer >= 0 or None, got {self.idle_cache_bytes!r}")
 
     def lookup_scope(self, authorization: str | None) -> str | None:
         """The `SamplingParams.lookup_scope` of a request sent with this Authorization header
