@@ -98,6 +98,7 @@ def test_bad_input_exits_2_with_a_message(capsys, model_folders, tmp_path):
         ["generate", "x", "--target", target, "--draft", "hybrid"],  # nothing shipped for it
         ["generate", "x", "--target", target, "--tree-width", "0"],
         ["serve", "--target", target, "--idle-cache-mb", "-1"],  # before the model loads
+        ["serve", "--target", target, "--cache-memory-mb", "-1"],
     ]
     for argv in cases:
         assert main(argv) == 2, argv

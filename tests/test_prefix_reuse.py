@@ -4,7 +4,7 @@ request left for the start of the prompt they share, feeds only the rest, and it
 same bits as from an empty cache; only requests of one lookup scope share; another request's
 cache survives a prompt that shares only its start; a runtime without the guarantee never
 shares; a seeded sampled row starts clean; the caches of requests that left stay within their
-memory bound."""
+memory bound, and a request waits until its caches fit."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from verispec.runtime.hf import HFRunner
 from verispec.runtime.native.gguf_model import GGUFLlama, gguf_runner
 from verispec.runtime.native.llama import NativeLlama
 from verispec.runtime.native.native_runner import NativeRunner
+from verispec.scheduler import DRAFT_POSITIONS
 from verispec.server import ServerConfig, create_app
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -447,3 +448,31 @@ def test_no_room_keeps_nothing_but_the_decoders_own_runner(decoder):
         decoder.engine(2, idle_cache_bytes=-1)
     with pytest.raises(ValueError, match="idle_cache_bytes"):
         ServerConfig(idle_cache_bytes=-1)
+
+
+def test_a_request_waits_until_its_caches_fit(decoder):
+    """With room for one request's caches, three requests run one after another (each joins as
+    the last leaves), in order, and answer as alone; with room for all, they run together; a
+    request bigger than the room still runs, alone."""
+    prompts = [[(5 * j + 13 * i) % 89 + 3 for j in range(40)] for i in range(3)]
+    # the most a request's caches may grow to: twice its prompt, budget and a round's drafts
+    need = 2 * (40 + 24 + DRAFT_POSITIONS) * decoder.target.bytes_per_position
+    for room, together in ((need + need // 2, 1), (3 * need, 3), (need // 2, 1)):
+        engine = decoder.engine(4, cache_memory=room)
+        ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
+        most, joined, outputs = 0, [], {}
+        for _ in range(1000):  # never stuck waiting for room
+            if not engine.has_work:
+                break
+            for event in engine.step():
+                if event.output is not None:
+                    outputs[event.request_id] = event.output
+            running = [r.request_id for r in engine.scheduler.running]
+            most = max(most, len(running))
+            joined += [i for i in running if i not in joined]
+        assert not engine.has_work and most == together and joined == ids, room
+        for i, prompt in zip(ids, prompts, strict=True):
+            assert outputs[i].token_ids == alone(decoder, prompt, GREEDY)
+        assert engine.scheduler.idle_bytes <= room
+    with pytest.raises(ValueError, match="cache_memory"):
+        decoder.engine(2, cache_memory=-1)

@@ -118,6 +118,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="memory the KV caches of finished requests may keep for later "
                             "requests to start from; past it the least recently used go "
                             "(default: an eighth of the machine's memory; 0 keeps none)")
+    serve.add_argument("--cache-memory-mb", type=int, default=None, metavar="MB",
+                       help="memory the KV caches of all requests may take: a request waits "
+                            "until its caches fit beside the running ones' (default: three "
+                            "quarters of the memory available at start)")
     ray = serve.add_argument_group("several machines (Ray Serve; pip install 'verispec[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve from replicas on a Ray cluster, requests that share a prompt "
@@ -146,7 +150,8 @@ def serve_config(args: argparse.Namespace):
         max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
         protect_metrics=args.protect_metrics, docs=args.docs,
         shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache,
-        idle_cache_bytes=None if args.idle_cache_mb is None else args.idle_cache_mb << 20)
+        idle_cache_bytes=None if args.idle_cache_mb is None else args.idle_cache_mb << 20,
+        cache_memory=None if args.cache_memory_mb is None else args.cache_memory_mb << 20)
 
 
 def serve_decoder(args: argparse.Namespace):

@@ -120,14 +120,18 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset()
 
-    def engine(self, max_batch: int = 16, idle_cache_bytes: int | None = None) -> Engine:
+    def engine(self, max_batch: int = 16, idle_cache_bytes: int | None = None,
+               cache_memory: int | None = None) -> Engine:
         """An engine for a batch of requests (`Engine.add_request` / `step`; continuous
         batching, up to max_batch rows at once), on this decoder's target, drafter, knobs and
         cost models as they are now (a later `share_costs` or change of `config` reaches the
         engines built after it); its rows' caches are pooled runners and drafters, which keep
         what a request may start from (`verispec.scheduler`), up to idle_cache_bytes for the
-        rows that left (None: an eighth of the machine's memory)."""
-        return Engine(self._model(), max_batch=max_batch, idle_cache_bytes=idle_cache_bytes)
+        rows that left (None: an eighth of the machine's memory); a request joins when its
+        caches fit in cache_memory beside the running rows' (None: three quarters of the memory
+        available now)."""
+        return Engine(self._model(), max_batch=max_batch, idle_cache_bytes=idle_cache_bytes,
+                      cache_memory=cache_memory)
 
     def _model(self) -> Model:
         return Model(self.target, self.drafter, self.tokenizer, self.eos_ids, self.config,

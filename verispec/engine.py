@@ -92,14 +92,16 @@ class Model:
 
 class Engine:
     def __init__(self, model: Model, max_batch: int = 16, runners: Iterable[Runner] = (),
-                 drafters: Iterable[Drafter] = (), idle_cache_bytes: int | None = None) -> None:
+                 drafters: Iterable[Drafter] = (), idle_cache_bytes: int | None = None,
+                 cache_memory: int | None = None) -> None:
         """runners, drafters: used first, caches kept (a decoder's own, for a lone prompt, so
         its KV cache carries over from one prompt to the next). idle_cache_bytes: what the
-        caches of rows that left may hold together (None: an eighth of the machine's memory;
-        `verispec.scheduler`)."""
+        caches of rows that left may hold together (None: an eighth of the machine's memory);
+        cache_memory: what all rows' caches may take, a request waiting until it fits (None:
+        three quarters of the memory available now); `verispec.scheduler` says how."""
         self.model = model
         self.scheduler = Scheduler(max_batch, model.config, model.target, model.drafter,
-                                   runners, drafters, idle_cache_bytes)
+                                   runners, drafters, idle_cache_bytes, cache_memory)
         self.planner = RoundPlanner(model.drafter, model.config, model.costs.prices,
                                     model.costs.observed)
         self._ids = itertools.count()

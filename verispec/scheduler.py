@@ -16,11 +16,15 @@ feeds only the rest. Its output is the same bits as from an empty cache. Only re
 starts clean (`starts_clean`); a pool keeps up to max_batch caches, the least recently used one
 emptied for a prompt that matches none.
 
-Memory. A native runner keeps its cache's buffers after a reset (grown to the longest sequence
-it has held), so a pool's caches hold memory after their requests leave. The free slots' caches
-(`Runner.cache_bytes` and the drafters') stay within `idle_cache_bytes` together: past it the
-least recently used free slots are dropped, runner, drafter and all, and a later request makes
-new ones. Running rows hold what they need.
+Memory. A request joins only where its caches fit in `cache_memory` beside the running rows':
+each row is priced at the most its caches may grow to (`Runner.bytes_per_position` and the
+drafter's, times twice its prompt and budget: a cache doubles as it grows), and a request that
+does not fit waits, in order, until rows leave (alone it always runs). A native runner keeps
+its cache's buffers after a reset (grown to the longest sequence it has held), so a pool's
+caches hold memory after their requests leave: the free slots' caches (`Runner.cache_bytes`
+and the drafters') stay within `idle_cache_bytes` and within what the running rows leave of
+`cache_memory`; past that the least recently used free slots are dropped, runner, drafter and
+all, and a later request makes new ones.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from verispec.config import DecodeConfig
-from verispec.drafters.drafter import Drafter, cache_bytes, copy_state, follow_target, retire
+from verispec.drafters.drafter import (
+    Drafter,
+    cache_bytes,
+    copy_state,
+    follow_target,
+    position_bytes,
+    retire,
+)
 from verispec.params import SamplingParams
 from verispec.request import Request
 from verispec.runtime import Runner, common_prefix
@@ -40,6 +51,28 @@ KEEP_SLACK = 16  # tokens of a free cache a request may drop and still take it a
 # A request waits for a running row still computing a start of at least this many tokens that
 # its prompt shares, longer than any cache holds now.
 WAIT_FOR_SHARED = 64
+
+
+# Positions a row's cache may hold past its prompt and budget: the draft tokens and tree nodes
+# of its last round.
+DRAFT_POSITIONS = 64
+
+
+def default_cache_memory() -> int:
+    """What an engine's caches may take by default: three quarters of the memory the system
+    has available as it starts (Linux's MemAvailable; half the machine's memory where the system
+    does not say)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 * 3 // 4
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
 
 
 def default_idle_cache_bytes() -> int:
@@ -63,22 +96,21 @@ class _Slot:
 class Scheduler:
     def __init__(self, max_batch: int, config: DecodeConfig, target: Runner,
                  drafter: Drafter | None, runners: Iterable[Runner] = (),
-                 drafters: Iterable[Drafter] = (), idle_cache_bytes: int | None = None) -> None:
+                 drafters: Iterable[Drafter] = (), idle_cache_bytes: int | None = None,
+                 cache_memory: int | None = None) -> None:
         """target, drafter: what pooled runners and drafters are made from (`sibling`,
         `fork`). runners, drafters: taken first, as they are (caches kept), so a lone prompt
         on a decoder's own runner reuses what the previous prompt left in its cache (they are
         never dropped). idle_cache_bytes: what free slots' caches may hold together (None:
-        `default_idle_cache_bytes`; the module docstring)."""
+        `default_idle_cache_bytes`); cache_memory: what running and free caches may take
+        together (None: `default_cache_memory`); the module docstring says how."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if idle_cache_bytes is None:
-            idle_cache_bytes = default_idle_cache_bytes()
-        if (isinstance(idle_cache_bytes, bool) or not isinstance(idle_cache_bytes, int)
-                or idle_cache_bytes < 0):
-            raise ValueError(f"idle_cache_bytes must be an integer >= 0, got "
-                             f"{idle_cache_bytes!r}")
+        idle_cache_bytes = _bytes("idle_cache_bytes", idle_cache_bytes, default_idle_cache_bytes)
+        cache_memory = _bytes("cache_memory", cache_memory, default_cache_memory)
         self.max_batch, self.config = max_batch, config
-        self.idle_cache_bytes = idle_cache_bytes
+        self.idle_cache_bytes, self.cache_memory = idle_cache_bytes, cache_memory
+        self._reserved: dict[int, int] = {}  # request id -> what its caches may grow to
         self.target, self.drafter = target, drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -115,14 +147,21 @@ class Scheduler:
         # 1. Join: waiting requests take free slots, but for one whose prompt starts as a
         #    running row's that is still being computed: it waits to copy it (`_waits_for`).
         #    A request whose admission raises leaves with its error (`refused`), alone.
+        #    One whose caches would not fit beside the running rows' waits, and the rest after
+        #    it (`cache_memory`).
         waiting, self.refused = [], []
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting.popleft()
             if self._waits_for(request):
                 waiting.append(request)
                 continue
+            need = self._need(request)
+            if self.running and sum(self._reserved.values()) + need > self.cache_memory:
+                self.waiting.appendleft(request)
+                break
             try:
                 self._admit(request)
+                self._reserved[request.request_id] = max(need, _held(request))
             except Exception as error:  # noqa: BLE001 - the others still join
                 if request.runner is not None:
                     # its slot goes back, never to be matched (no scope): emptied when taken
@@ -147,6 +186,7 @@ class Scheduler:
         """A row leaves (finished, failed or cancelled): its runner and drafter go back to the
         pool."""
         self.running.remove(request)
+        self._reserved.pop(request.request_id, None)
         if request.drafter is not None:
             retire(request.drafter, request.history, request.params)
         self._free.append(_Slot(request.runner, request.drafter, request.params.lookup_scope))
@@ -160,11 +200,13 @@ class Scheduler:
 
     def _trim(self) -> None:
         """Drop the least recently used free pooled slots while their caches hold more than
-        idle_cache_bytes."""
+        idle_cache_bytes, or than the running rows leave of cache_memory."""
+        room = min(self.idle_cache_bytes,
+                   max(0, self.cache_memory - sum(self._reserved.values())))
         pooled = [slot for slot in self._free if id(slot.runner) not in self._kept]
         total = sum(held := [_held(slot) for slot in pooled])
         for slot, size in zip(pooled, held, strict=True):
-            if total <= self.idle_cache_bytes:
+            if total <= room:
                 break
             self._free.remove(slot)
             self._pooled -= 1
@@ -196,6 +238,16 @@ class Scheduler:
         request.prompt_fed = common_prefix(request.runner.cached_ids, request.prompt_ids)
         request.stats.cached_prompt_tokens = min(request.prompt_fed, request.context - 1)
         self.running.append(request)
+
+    def _need(self, request: Request) -> int:
+        """The most a joining request's caches may take: its prompt, budget and a round's
+        drafts, twice over (a cache doubles as it grows), at the target's and the drafter's
+        bytes a position."""
+        positions = min(self.target.max_positions,
+                        2 * (request.context + request.budget + DRAFT_POSITIONS))
+        per_position = (getattr(self.target, "bytes_per_position", 0) +
+                        position_bytes(self.drafter))
+        return positions * per_position
 
     def _shares(self, request: Request) -> bool:
         """Whether a joining request may start from other rows' caches (exact ones, its scope,
@@ -288,9 +340,19 @@ def starts_clean(params: SamplingParams) -> bool:
     return not params.greedy and params.seed is not None and params.verify != "invariant"
 
 
-def _held(slot: _Slot) -> int:
-    """The bytes a slot's runner and drafter caches hold (0 for a runner that does not say)."""
+def _held(slot: _Slot | Request) -> int:
+    """The bytes a slot's (or a running request's) runner and drafter caches hold (0 for a
+    runner that does not say)."""
     return getattr(slot.runner, "cache_bytes", 0) + cache_bytes(slot.drafter)
+
+
+def _bytes(name: str, value: int | None, default) -> int:
+    """A memory setting: an integer >= 0, or None for default()."""
+    if value is None:
+        return default()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _longest_start(slots: list[_Slot], prompt) -> tuple[_Slot | None, int]:

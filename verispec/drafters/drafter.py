@@ -79,7 +79,7 @@ class Drafter(Protocol):
     `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in,
     `retire(history, params)`, for one that learns from the requests that leave,
     `copy_state(source, length)`, for one that can start from another's cached prefix, and
-    `cache_bytes()`, for one whose own caches hold memory."""
+    `cache_bytes()` and `bytes_per_position()`, for one whose own caches hold memory."""
 
     name: str
 
@@ -193,6 +193,13 @@ def cache_bytes(drafter: Drafter | None) -> int:
     """The memory a drafter's own caches hold (one with `cache_bytes`: a draft model's KV
     cache, a feature draft's layer cache), 0 for lookups and none."""
     count = getattr(drafter, "cache_bytes", None)
+    return 0 if count is None else count()
+
+
+def position_bytes(drafter: Drafter | None) -> int:
+    """The memory one position takes in a drafter's own caches (one with
+    `bytes_per_position`), 0 for lookups and none."""
+    count = getattr(drafter, "bytes_per_position", None)
     return 0 if count is None else count()
 
 

@@ -90,6 +90,9 @@ class FeatureDrafter:
         reads are the target runner's)."""
         return 0 if self.cache is None else self.cache.nbytes
 
+    def bytes_per_position(self) -> int:
+        return 0 if self.cache is None else self.cache.bytes_per_position
+
     def width_for(self, params: SamplingParams) -> int:
         """How wide this row's trees are (1: chains)."""
         return self.tree_width if params.greedy else self.sampled_tree_width

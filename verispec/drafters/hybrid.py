@@ -11,6 +11,7 @@ from verispec.drafters.drafter import (
     catch_up,
     copy_state,
     follow_target,
+    position_bytes,
     unread,
 )
 from verispec.drafters.feature import FeatureDrafter
@@ -63,6 +64,9 @@ class HybridDrafter:
     def cache_bytes(self) -> int:
         """The draft model's cache (the lookup's text is bounded on its own)."""
         return cache_bytes(self.model)
+
+    def bytes_per_position(self) -> int:
+        return position_bytes(self.model)
 
     def fork(self) -> HybridDrafter:
         return HybridDrafter(self.model.fork(), lookup=self.lookup.fork())

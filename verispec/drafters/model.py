@@ -61,6 +61,9 @@ class ModelDrafter:
         """verispec.drafters.drafter.cache_bytes: the draft model's KV cache."""
         return self.runner.cache_bytes
 
+    def bytes_per_position(self) -> int:
+        return self.runner.bytes_per_position
+
     def copy_state(self, source: ModelDrafter, length: int) -> bool:
         """verispec.drafters.drafter.copy_state: the source's cached first `length` tokens (as
         many as it holds), where the draft's caches are exact (`Runner.exact_prefixes`)."""

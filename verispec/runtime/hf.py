@@ -48,6 +48,16 @@ class HFRunner(PrefixRunner):
         return HFRunner(self.model)
 
     @property
+    def bytes_per_position(self) -> int:
+        """Runner.bytes_per_position: keys and values of every layer, from the config."""
+        config = getattr(self.model.config, "text_config", None) or self.model.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return (config.num_hidden_layers * kv_heads * head_dim * 2 *
+                torch.empty((), dtype=self.model.dtype).element_size())
+
+    @property
     def cache_bytes(self) -> int:
         """Runner.cache_bytes: the storage under every tensor the cache's layers hold (a
         PreallocatedLayer's whole buffers, not the views of its first positions; a recurrent

@@ -79,6 +79,12 @@ class Runner(Protocol):
         its buffers for the next sequence (the native one), so a pool of runners may count it."""
         ...
 
+    @property
+    def bytes_per_position(self) -> int:
+        """The memory one cached position takes (keys and values of every layer, and what
+        else the runtime keeps per position), to price a sequence before it runs."""
+        ...
+
 
 class PrefixRunner(ABC):
     """The bookkeeping of which tokens a runner's cache holds, shared by every runtime.

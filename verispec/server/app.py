@@ -62,7 +62,8 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
     metric_labels: set on every sample of /metrics (one replica among several: its id)."""
     config = config or ServerConfig()
     engine = EngineThread(decoder, max_batch=config.max_batch, max_queue=config.max_queue,
-                          idle_cache_bytes=config.idle_cache_bytes)
+                          idle_cache_bytes=config.idle_cache_bytes,
+                          cache_memory=config.cache_memory)
     prompts = Prompts(decoder, config.max_prompt_tokens)
     cache = getattr(decoder.drafter, "cache", None)  # a cross-request lookup's (--draft suffix)
     metrics = Metrics(in_flight=lambda: engine.outstanding,

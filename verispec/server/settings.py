@@ -20,7 +20,8 @@ class ServerConfig:
     a cross-request lookup proposes, and the cached start of a prompt (`verispec.scheduler`):
     "per-key" those sent with the same API key, "shared" all, "off" none. idle_cache_bytes: what
     the caches of requests that left may hold together, kept for later requests to start from
-    (None: an eighth of the machine's memory)."""
+    (None: an eighth of the machine's memory); cache_memory: what all requests' caches may take,
+    a request waiting for room (None: three quarters of the memory available at start)."""
 
     max_batch: int = 16
     max_queue: int = 64
@@ -32,6 +33,7 @@ class ServerConfig:
     shutdown_timeout: float = 10.0
     suffix_cache: str = "per-key"
     idle_cache_bytes: int | None = None
+    cache_memory: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
@@ -49,10 +51,11 @@ class ServerConfig:
                f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         _check(self.suffix_cache in SUFFIX_CACHE_MODES,
                f"suffix_cache must be one of {SUFFIX_CACHE_MODES}, got {self.suffix_cache!r}")
-        _check(self.idle_cache_bytes is None or (
-                   isinstance(self.idle_cache_bytes, int) and
-                   not isinstance(self.idle_cache_bytes, bool) and self.idle_cache_bytes >= 0),
-               f"idle_cache_bytes must be an integer >= 0 or None, got {self.idle_cache_bytes!r}")
+        for name in ("idle_cache_bytes", "cache_memory"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and
+                                     value >= 0),
+                   f"{name} must be an integer >= 0 or None, got {value!r}")
 
     def lookup_scope(self, authorization: str | None) -> str | None:
         """The `SamplingParams.lookup_scope` of a request sent with this Authorization header

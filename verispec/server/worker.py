@@ -98,15 +98,15 @@ class EngineThread:
 
     def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64,
                  measure_after_idle_s: float = MEASURE_AFTER_IDLE_S,
-                 idle_cache_bytes: int | None = None) -> None:
+                 idle_cache_bytes: int | None = None, cache_memory: int | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.decoder = decoder
         self.max_batch = max_batch
         self.measure_after_idle_s = measure_after_idle_s
         self.capacity = max_batch + max_queue
-        self.idle_cache_bytes = idle_cache_bytes
-        self._engine = decoder.engine(max_batch, idle_cache_bytes)
+        self.idle_cache_bytes, self.cache_memory = idle_cache_bytes, cache_memory
+        self._engine = decoder.engine(max_batch, idle_cache_bytes, cache_memory)
         self._commands: queue.Queue[_Add | _Cancel | _Stop] = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}  # engine id -> handle (engine thread)
         self._lock = threading.Lock()
@@ -250,7 +250,8 @@ class EngineThread:
                 self._leave()
                 _post(handle, GenerationFailed("generation failed"))
             self._handles.clear()
-            self._engine = self.decoder.engine(self.max_batch, self.idle_cache_bytes)
+            self._engine = self.decoder.engine(self.max_batch, self.idle_cache_bytes,
+                                               self.cache_memory)
             return
         for event in events:
             handle = self._handles[event.request_id]

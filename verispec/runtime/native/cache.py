@@ -56,6 +56,15 @@ class KVCache:
                                                 self.shape.hidden_size))
 
     @property
+    def bytes_per_position(self) -> int:
+        """The bytes one position takes: its keys and values in every layer, its features and
+        taps."""
+        s = self.shape
+        values = s.num_layers * s.num_kv_heads * s.head_dim * 2 + s.hidden_size * (
+            1 + len(self.tap_layers))
+        return values * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def nbytes(self) -> int:
         """The bytes its buffers hold (grown to the longest sequence it has held)."""
         buffers = (self.keys, self.values, self.features, self.taps)

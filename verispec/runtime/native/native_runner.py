@@ -47,6 +47,10 @@ class NativeRunner(PrefixRunner):
         return self.cache.nbytes
 
     @property
+    def bytes_per_position(self) -> int:
+        return self.cache.bytes_per_position
+
+    @property
     def tap_layers(self) -> tuple[int, ...]:
         """The layer counts after which this runner keeps every position's hidden state."""
         return self.cache.tap_layers
