@@ -450,6 +450,30 @@ def test_no_room_keeps_nothing_but_the_decoders_own_runner(decoder):
         ServerConfig(idle_cache_bytes=-1)
 
 
+def drive(engine, cancel_at: dict[int, int] | None = None):
+    """Step an engine to the end -> (outputs, ids in the order they joined, the most rows that
+    ran together, the sets of rows that ran together); each running row's caches stay within
+    what it was priced at. cancel_at: {step: request id} cancelled before that step."""
+    outputs, joined, most, together = {}, [], 0, []
+    for step in range(1000):  # never stuck waiting for room
+        if not engine.has_work:
+            break
+        if cancel_at and step in cancel_at:
+            engine.cancel(cancel_at[step])
+        for event in engine.step():
+            if event.output is not None:
+                outputs[event.request_id] = event.output
+        pool = engine.scheduler
+        running = [r.request_id for r in pool.running]
+        for r in pool.running:
+            assert r.runner.cache_bytes + cache_bytes(r.drafter) <= pool._reserved[r.request_id]
+        joined += [i for i in running if i not in joined]
+        most = max(most, len(running))
+        together.append(set(running))
+    assert not engine.has_work
+    return outputs, joined, most, together
+
+
 def test_a_request_waits_until_its_caches_fit(decoder):
     """With room for one request's caches, three requests run one after another (each joins as
     the last leaves), in order, and answer as alone; with room for all, they run together; a
@@ -460,19 +484,37 @@ def test_a_request_waits_until_its_caches_fit(decoder):
     for room, together in ((need + need // 2, 1), (3 * need, 3), (need // 2, 1)):
         engine = decoder.engine(4, cache_memory=room)
         ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
-        most, joined, outputs = 0, [], {}
-        for _ in range(1000):  # never stuck waiting for room
-            if not engine.has_work:
-                break
-            for event in engine.step():
-                if event.output is not None:
-                    outputs[event.request_id] = event.output
-            running = [r.request_id for r in engine.scheduler.running]
-            most = max(most, len(running))
-            joined += [i for i in running if i not in joined]
-        assert not engine.has_work and most == together and joined == ids, room
+        outputs, joined, most, _ = drive(engine)
+        assert most == together and joined == ids, room
         for i, prompt in zip(ids, prompts, strict=True):
             assert outputs[i].token_ids == alone(decoder, prompt, GREEDY)
         assert engine.scheduler.idle_bytes <= room
     with pytest.raises(ValueError, match="cache_memory"):
         decoder.engine(2, cache_memory=-1)
+
+
+def test_room_comes_back_as_rows_leave_in_order(decoder):
+    """Room for two: a short request leaves first and the third joins beside the long one still
+    running (its room was given back); a request that does not fit is not overtaken by a smaller
+    one behind it; a cancelled row gives its room back too."""
+    prompt = [(5 * j) % 89 + 3 for j in range(40)]
+    short, long = (SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 60))
+    engine = decoder.engine(4)
+    ids = [engine.add_request(prompt, p) for p in (short, long, long)]
+    needs = [engine.scheduler._need(r) for r in engine.scheduler.waiting]
+    engine.scheduler.cache_memory = needs[0] + needs[1]
+    _, joined, most, together = drive(engine)
+    assert joined == ids and most == 2 and {ids[1], ids[2]} in together
+    # a big head waits for room, and the small request behind it waits with it
+    engine = decoder.engine(4)
+    ids = [engine.add_request(prompt, p) for p in (long, long, short)]
+    needs = [engine.scheduler._need(r) for r in engine.scheduler.waiting]
+    engine.scheduler.cache_memory = needs[0] + needs[2]  # the short one would fit
+    _, joined, most, together = drive(engine)
+    assert joined == ids and most == 2 and {ids[0], ids[2]} not in together
+    # room for one: cancelling the running row lets the next join
+    engine = decoder.engine(4)
+    ids = [engine.add_request(prompt, p) for p in (long, long)]
+    engine.scheduler.cache_memory = engine.scheduler._need(engine.scheduler.waiting[0])
+    outputs, joined, _, together = drive(engine, cancel_at={3: ids[0]})
+    assert joined == ids and ids[0] not in outputs and together[3] == {ids[1]}

@@ -33,6 +33,9 @@ import os
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from verispec.config import DecodeConfig
 from verispec.drafters.drafter import (
@@ -58,21 +61,35 @@ WAIT_FOR_SHARED = 64
 DRAFT_POSITIONS = 64
 
 
-def default_cache_memory() -> int:
-    """What an engine's caches may take by default: three quarters of the memory the system
-    has available as it starts (Linux's MemAvailable; half the machine's memory where the system
-    does not say)."""
+def default_cache_memory(device: torch.device | None = None) -> int:
+    """What an engine's caches may take by default: three quarters of the memory available as
+    it starts, on the device the caches live on: a GPU's free memory, else the system's
+    (Linux's MemAvailable, within a container's cgroup limit; half the machine's memory where
+    the system does not say)."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * 3 // 4
+    available = None
     try:
         with open("/proc/meminfo") as info:
             for line in info:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 * 3 // 4
+                    available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
+    try:  # cgroup v2: what the container may still take
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 2 // 3
+        except (ValueError, OSError, AttributeError):
+            available = 8 << 30
+    return max(0, available) * 3 // 4
 
 
 def default_idle_cache_bytes() -> int:
@@ -107,10 +124,13 @@ class Scheduler:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         idle_cache_bytes = _bytes("idle_cache_bytes", idle_cache_bytes, default_idle_cache_bytes)
-        cache_memory = _bytes("cache_memory", cache_memory, default_cache_memory)
+        cache_memory = _bytes("cache_memory", cache_memory,
+                              lambda: default_cache_memory(target.device))
         self.max_batch, self.config = max_batch, config
         self.idle_cache_bytes, self.cache_memory = idle_cache_bytes, cache_memory
         self._reserved: dict[int, int] = {}  # request id -> what its caches may grow to
+        # what one position takes in a row's caches: the target's and its drafter's
+        self._position_bytes = target.bytes_per_position + position_bytes(drafter)
         self.target, self.drafter = target, drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -161,13 +181,14 @@ class Scheduler:
                 break
             try:
                 self._admit(request)
-                self._reserved[request.request_id] = max(need, _held(request))
             except Exception as error:  # noqa: BLE001 - the others still join
                 if request.runner is not None:
                     # its slot goes back, never to be matched (no scope): emptied when taken
                     self._free.append(_Slot(request.runner, request.drafter, None))
                     request.runner = request.drafter = None  # the pool's alone, to drop
                 self.refused.append((request, error))
+            else:
+                self._reserved[request.request_id] = max(need, _held(request))
         self.waiting.extendleft(reversed(waiting))
         self._trim()
         # 2. Rows with more than a chunk of prompt left feed the next; the last chunk goes
@@ -243,11 +264,10 @@ class Scheduler:
         """The most a joining request's caches may take: its prompt, budget and a round's
         drafts, twice over (a cache doubles as it grows), at the target's and the drafter's
         bytes a position."""
-        positions = min(self.target.max_positions,
-                        2 * (request.context + request.budget + DRAFT_POSITIONS))
-        per_position = (getattr(self.target, "bytes_per_position", 0) +
-                        position_bytes(self.drafter))
-        return positions * per_position
+        positions = 2 * (request.context + request.budget + DRAFT_POSITIONS)
+        # a cache starts at 256 positions and never grows past the model's context
+        positions = min(self.target.max_positions, max(positions, 256))
+        return positions * self._position_bytes
 
     def _shares(self, request: Request) -> bool:
         """Whether a joining request may start from other rows' caches (exact ones, its scope,
@@ -341,9 +361,8 @@ def starts_clean(params: SamplingParams) -> bool:
 
 
 def _held(slot: _Slot | Request) -> int:
-    """The bytes a slot's (or a running request's) runner and drafter caches hold (0 for a
-    runner that does not say)."""
-    return getattr(slot.runner, "cache_bytes", 0) + cache_bytes(slot.drafter)
+    """The bytes a slot's (or a running request's) runner and drafter caches hold."""
+    return slot.runner.cache_bytes + cache_bytes(slot.drafter)
 
 
 def _bytes(name: str, value: int | None, default) -> int:

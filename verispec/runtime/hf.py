@@ -103,6 +103,8 @@ class PreallocatedLayer(DynamicLayer):
     token); here a step writes only its new positions, and rolling back is moving `length`.
     """
 
+    max_positions = 1 << 30  # the model's context: new_cache sets it
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length = 0
@@ -115,7 +117,8 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self._key_buffer.shape[-2]:
-            capacity = max(end, 2 * self._key_buffer.shape[-2])
+            # doubling, but never past the model's context (what a memory bound prices)
+            capacity = max(end, min(2 * self._key_buffer.shape[-2], self.max_positions))
             self._key_buffer = self._grown(self._key_buffer, capacity)
             self._value_buffer = self._grown(self._value_buffer, capacity)
         self._key_buffer[..., self.length:end, :] = key_states
@@ -153,6 +156,8 @@ def new_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [PreallocatedLayer() for _ in cache.layers]
+        for layer in cache.layers:
+            layer.max_positions = _max_positions(config)
     return cache
 
 

@@ -105,8 +105,10 @@ class EngineThread:
         self.max_batch = max_batch
         self.measure_after_idle_s = measure_after_idle_s
         self.capacity = max_batch + max_queue
-        self.idle_cache_bytes, self.cache_memory = idle_cache_bytes, cache_memory
+        # the memory bounds, settled once: an engine rebuilt after a failed round keeps them
         self._engine = decoder.engine(max_batch, idle_cache_bytes, cache_memory)
+        self.idle_cache_bytes = self._engine.scheduler.idle_cache_bytes
+        self.cache_memory = self._engine.scheduler.cache_memory
         self._commands: queue.Queue[_Add | _Cancel | _Stop] = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}  # engine id -> handle (engine thread)
         self._lock = threading.Lock()
@@ -250,6 +252,7 @@ class EngineThread:
                 self._leave()
                 _post(handle, GenerationFailed("generation failed"))
             self._handles.clear()
+            self._engine = None  # its caches go before the new engine's
             self._engine = self.decoder.engine(self.max_batch, self.idle_cache_bytes,
                                                self.cache_memory)
             return
