@@ -120,8 +120,9 @@ class EngineThread:
     @property
     def idle_bytes(self) -> int:
         """What the engine's pooled caches of requests that left hold (read from any thread:
-        a snapshot of a pool the engine thread may be changing)."""
-        return self._engine.scheduler.idle_bytes
+        a snapshot of a pool the engine thread may be changing; 0 while it is rebuilt)."""
+        engine = self._engine
+        return 0 if engine is None else engine.scheduler.idle_bytes
 
     @property
     def outstanding(self) -> int:
