@@ -154,6 +154,14 @@ def test_a_feature_draft_over_a_reused_cache(tiny_file):
     assert second.stats.cached_prompt_tokens == len(START) and second.stats.drafted > 0
     assert second.token_ids == alone(decoder, PROMPT_B, GREEDY)
     assert all(cache_bytes(slot.drafter) > 0 for slot in engine.scheduler._free)  # its layer's
+    # a conversation's next turn counts the whole answer cached, the path of the token tree
+    # its last round verified included (all of it but the last token, never fed)
+    for prompt in (PROMPT_A, PROMPT_B):
+        first = run(engine, prompt, GREEDY)
+        next_turn = prompt + first.token_ids + [90, 91]
+        again = run(engine, next_turn, GREEDY)
+        assert again.stats.cached_prompt_tokens == len(prompt) + len(first.token_ids) - 1
+        assert again.token_ids == alone(decoder, next_turn, GREEDY)
     for seed in range(3):
         params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=seed)
         first, again = run(engine, PROMPT_A, params), run(engine, PROMPT_A, params)

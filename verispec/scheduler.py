@@ -255,7 +255,11 @@ class Scheduler:
             request.drafter = self.drafter.fork()
             request.drafter.reset()
         follow_target(request.drafter, request.runner)
-        # what the runner holds of this prompt already; its rounds feed the rest
+        # what the runner holds of this prompt already (with the path of a token tree its last
+        # pass verified that the prompt follows, moved into place); its rounds feed the rest
+        settle = getattr(request.runner, "settle", None)
+        if settle is not None:
+            settle(request.prompt_ids)
         request.prompt_fed = common_prefix(request.runner.cached_ids, request.prompt_ids)
         request.stats.cached_prompt_tokens = min(request.prompt_fed, request.context - 1)
         self.running.append(request)
