@@ -26,7 +26,6 @@ from verispec.runtime.hf import HFRunner
 from verispec.runtime.native.gguf_model import GGUFLlama, gguf_runner
 from verispec.runtime.native.llama import NativeLlama
 from verispec.runtime.native.native_runner import NativeRunner
-from verispec.scheduler import DRAFT_POSITIONS
 from verispec.server import ServerConfig, create_app
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -430,12 +429,13 @@ def test_the_caches_of_requests_that_left_stay_within_their_bound(decoder):
         run(unbounded, prompt, GREEDY)
     pool = unbounded.scheduler
     assert pool._pooled == len(pool._free) == 4
-    one = max(slot.runner.cache_bytes for slot in pool._free)
-    assert pool.idle_bytes >= 4 * one > 0
-    engine = decoder.engine(4, idle_cache_bytes=2 * one)  # room for two
+    sizes = [slot.runner.cache_bytes for slot in pool._free]  # by prompt, least recent first
+    assert pool.idle_bytes == sum(sizes) and min(sizes) > 0
+    room = sizes[-2] + sizes[-1]  # the two most recent
+    engine = decoder.engine(4, idle_cache_bytes=room)
     for prompt in prompts:
         assert run(engine, prompt, GREEDY).token_ids == alone(decoder, prompt, GREEDY)
-        assert 0 < engine.scheduler.idle_bytes <= 2 * one
+        assert 0 < engine.scheduler.idle_bytes <= room
     assert engine.scheduler._pooled == len(engine.scheduler._free) == 2
     # the most recent prompt's next turn starts from its cache; the first one's afresh
     assert run(engine, prompts[-1] + [90], GREEDY).stats.cached_prompt_tokens > 0
@@ -485,13 +485,14 @@ def drive(engine, cancel_at: dict[int, int] | None = None):
 def test_a_request_waits_until_its_caches_fit(decoder):
     """With room for one request's caches, three requests run one after another (each joins as
     the last leaves), in order, and answer as alone; with room for all, they run together; a
-    request bigger than the room still runs, alone."""
+    request bigger than the room still runs, alone. A request is priced at its prompt, budget
+    and a round's drafts, in whole blocks, and its caches stay within that."""
     prompts = [[(5 * j + 13 * i) % 89 + 3 for j in range(40)] for i in range(3)]
-    # the most a request's caches may grow to: twice its prompt, budget and a round's drafts
-    need = 2 * (40 + 24 + DRAFT_POSITIONS) * decoder.target.bytes_per_position
+    need = 128 * decoder.target.bytes_per_position  # 40 + 24 + 64 positions: two blocks of 64
     for room, together in ((need + need // 2, 1), (3 * need, 3), (need // 2, 1)):
         engine = decoder.engine(4, cache_memory=room)
         ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
+        assert [engine.scheduler._need(r) for r in engine.scheduler.waiting] == [need] * 3
         outputs, joined, most, _ = drive(engine)
         assert most == together and joined == ids, room
         for i, prompt in zip(ids, prompts, strict=True):
@@ -510,7 +511,8 @@ def test_room_comes_back_as_rows_leave_in_order(decoder):
     engine = decoder.engine(4)
     ids = [engine.add_request(prompt, p) for p in (short, long, long)]
     needs = [engine.scheduler._need(r) for r in engine.scheduler.waiting]
-    engine.scheduler.cache_memory = needs[0] + needs[1]
+    assert needs[0] < needs[1] == needs[2]
+    engine.scheduler.cache_memory = needs[1] + needs[2]  # the short one and a long one fit
     _, joined, most, together = drive(engine)
     assert joined == ids and most == 2 and {ids[1], ids[2]} in together
     # a big head waits for room, and the small request behind it waits with it

@@ -17,9 +17,10 @@ starts clean (`starts_clean`); a pool keeps up to max_batch caches, the least re
 emptied for a prompt that matches none.
 
 Memory. A request joins only where its caches fit in `cache_memory` beside the running rows':
-each row is priced at the most its caches may grow to (`Runner.bytes_per_position` and the
-drafter's, times twice its prompt and budget: a cache doubles as it grows), and a request that
-does not fit waits, in order, until rows leave (alone it always runs). A native runner keeps
+each row is priced at the most its caches may take (its prompt, budget and a round's drafts at
+`Runner.bytes_per_position` and the drafter's), its caches then grow no further
+(`Runner.limit_growth`: doubling below that), and a request that does not fit waits, in order,
+until rows leave (alone it always runs). A native runner keeps
 its cache's buffers after a reset (grown to the longest sequence it has held), so a pool's
 caches hold memory after their requests leave: the free slots' caches (`Runner.cache_bytes`
 and the drafters') stay within `idle_cache_bytes` and within what the running rows leave of
@@ -43,6 +44,7 @@ from verispec.drafters.drafter import (
     cache_bytes,
     copy_state,
     follow_target,
+    limit_growth,
     position_bytes,
     retire,
 )
@@ -59,6 +61,8 @@ WAIT_FOR_SHARED = 64
 # Positions a row's cache may hold past its prompt and budget: the draft tokens and tree nodes
 # of its last round.
 DRAFT_POSITIONS = 64
+# A cache lays positions out in blocks of this many (the native runtime's attention blocks).
+POSITION_BLOCK = 64
 
 
 def default_cache_memory(device: torch.device | None = None) -> int:
@@ -208,6 +212,7 @@ class Scheduler:
         pool."""
         self.running.remove(request)
         self._reserved.pop(request.request_id, None)
+        _limit(request, None)  # outside a request, caches grow as they need
         if request.drafter is not None:
             retire(request.drafter, request.history, request.params)
         self._free.append(_Slot(request.runner, request.drafter, request.params.lookup_scope))
@@ -255,6 +260,7 @@ class Scheduler:
             request.drafter = self.drafter.fork()
             request.drafter.reset()
         follow_target(request.drafter, request.runner)
+        _limit(request, self._positions(request))  # (a feature draft's cache is new now)
         # what the runner holds of this prompt already (with the path of a token tree its last
         # pass verified that the prompt follows, moved into place); its rounds feed the rest
         settle = getattr(request.runner, "settle", None)
@@ -264,14 +270,16 @@ class Scheduler:
         request.stats.cached_prompt_tokens = min(request.prompt_fed, request.context - 1)
         self.running.append(request)
 
+    def _positions(self, request: Request) -> int:
+        """The most positions a request's caches may hold: its prompt, budget and a round's
+        drafts, in whole blocks, within the model's context."""
+        positions = request.context + request.budget + DRAFT_POSITIONS
+        return min(self.target.max_positions, -(-positions // POSITION_BLOCK) * POSITION_BLOCK)
+
     def _need(self, request: Request) -> int:
-        """The most a joining request's caches may take: its prompt, budget and a round's
-        drafts, twice over (a cache doubles as it grows), at the target's and the drafter's
-        bytes a position."""
-        positions = 2 * (request.context + request.budget + DRAFT_POSITIONS)
-        # a cache starts at 256 positions and never grows past the model's context
-        positions = min(self.target.max_positions, max(positions, 256))
-        return positions * self._position_bytes
+        """The most a joining request's caches may take, at the target's and the drafter's
+        bytes a position (its caches are then held to it: `limit_growth`)."""
+        return self._positions(request) * self._position_bytes
 
     def _shares(self, request: Request) -> bool:
         """Whether a joining request may start from other rows' caches (exact ones, its scope,
@@ -319,6 +327,7 @@ class Scheduler:
         the least recently freed one emptied. A copied start goes to the drafter too where it
         can take it exactly (`copy_state`)."""
         exact, prompt = self.target.exact_prefixes, request.prompt_ids
+        positions = self._positions(request)
         free, running = self._sources(request)
         best, longest = _longest_start(free, prompt)
         source, copied = _longest_start(free + running, prompt)  # ties: the free slot
@@ -336,7 +345,8 @@ class Scheduler:
             drafter = None if self.drafter is None else self.drafter.fork()
             slot = _Slot(self.target.sibling(), drafter, request.params.lookup_scope)
         # 3. Holding the longest start found (a free source now the most recently used), or
-        #    nothing.
+        #    nothing; grown no further than the request is priced at.
+        _limit(slot, positions)
         try:
             if source is None:
                 slot.runner.reset()
@@ -362,6 +372,12 @@ def starts_clean(params: SamplingParams) -> bool:
     whatever requests came before. Greedy rows give the target's output whatever is proposed,
     and verify="invariant" draws do not depend on the drafts."""
     return not params.greedy and params.seed is not None and params.verify != "invariant"
+
+
+def _limit(slot: _Slot | Request, positions: int | None) -> None:
+    """Let a slot's (or a row's) runner and drafter caches grow to at most `positions`."""
+    slot.runner.limit_growth(positions)
+    limit_growth(slot.drafter, positions)
 
 
 def _held(slot: _Slot | Request) -> int:

@@ -79,7 +79,8 @@ class Drafter(Protocol):
     `catch_up(prefix_ids)`, for one with a cache of its own to fill as a prompt comes in,
     `retire(history, params)`, for one that learns from the requests that leave,
     `copy_state(source, length)`, for one that can start from another's cached prefix, and
-    `cache_bytes()` and `bytes_per_position()`, for one whose own caches hold memory."""
+    `cache_bytes()`, `bytes_per_position()` and `limit_growth(positions)`, for one whose own
+    caches hold memory."""
 
     name: str
 
@@ -201,6 +202,14 @@ def position_bytes(drafter: Drafter | None) -> int:
     `bytes_per_position`), 0 for lookups and none."""
     count = getattr(drafter, "bytes_per_position", None)
     return 0 if count is None else count()
+
+
+def limit_growth(drafter: Drafter | None, positions: int | None) -> None:
+    """Let a drafter's own caches (one with `limit_growth`) grow to at most about `positions`
+    positions (`Runner.limit_growth`); lookups have none."""
+    limit = getattr(drafter, "limit_growth", None)
+    if limit is not None:
+        limit(positions)
 
 
 def copy_state(drafter: Drafter, source: Drafter | None, length: int) -> bool:

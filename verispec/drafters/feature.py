@@ -93,6 +93,10 @@ class FeatureDrafter:
     def bytes_per_position(self) -> int:
         return 0 if self.cache is None else self.cache.bytes_per_position
 
+    def limit_growth(self, positions: int | None) -> None:
+        if self.cache is not None:
+            self.cache.limit_growth(positions)
+
     def width_for(self, params: SamplingParams) -> int:
         """How wide this row's trees are (1: chains)."""
         return self.tree_width if params.greedy else self.sampled_tree_width

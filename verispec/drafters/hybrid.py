@@ -11,6 +11,7 @@ from verispec.drafters.drafter import (
     catch_up,
     copy_state,
     follow_target,
+    limit_growth,
     position_bytes,
     unread,
 )
@@ -67,6 +68,9 @@ class HybridDrafter:
 
     def bytes_per_position(self) -> int:
         return position_bytes(self.model)
+
+    def limit_growth(self, positions: int | None) -> None:
+        limit_growth(self.model, positions)
 
     def fork(self) -> HybridDrafter:
         return HybridDrafter(self.model.fork(), lookup=self.lookup.fork())

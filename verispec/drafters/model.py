@@ -64,6 +64,9 @@ class ModelDrafter:
     def bytes_per_position(self) -> int:
         return self.runner.bytes_per_position
 
+    def limit_growth(self, positions: int | None) -> None:
+        self.runner.limit_growth(positions)
+
     def copy_state(self, source: ModelDrafter, length: int) -> bool:
         """verispec.drafters.drafter.copy_state: the source's cached first `length` tokens (as
         many as it holds), where the draft's caches are exact (`Runner.exact_prefixes`)."""

@@ -34,6 +34,7 @@ class HFRunner(PrefixRunner):
                          vocab_size=int(model.get_output_embeddings().weight.shape[0]),
                          max_positions=_max_positions(model.config))
         self.model = model.eval()
+        self._growth_limit: int | None = None  # limit_growth's
         self._cache = new_cache(model.config)
         if not self._cache.is_croppable:
             raise ValueError(
@@ -46,6 +47,11 @@ class HFRunner(PrefixRunner):
     def sibling(self) -> HFRunner:
         """Another sequence on the same model, with its own cache."""
         return HFRunner(self.model)
+
+    def limit_growth(self, positions: int | None) -> None:
+        """Runner.limit_growth: the preallocated layers' buffers, now and after a reset."""
+        self._growth_limit = positions
+        _limit_layers(self._cache, self.model.config, positions)
 
     @property
     def bytes_per_position(self) -> int:
@@ -94,6 +100,7 @@ class HFRunner(PrefixRunner):
 
     def _clear(self) -> None:
         self._cache = new_cache(self.model.config)
+        _limit_layers(self._cache, self.model.config, self._growth_limit)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -103,13 +110,15 @@ class PreallocatedLayer(DynamicLayer):
     token); here a step writes only its new positions, and rolling back is moving `length`.
     """
 
-    max_positions = 1 << 30  # the model's context: new_cache sets it
+    max_positions = 1 << 30  # what it grows to at most: the context, or less (_limit_layers)
+    context = 1 << 30  # the model's context (_limit_layers)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length = 0
-        self._key_buffer = _empty_like_with_length(key_states, 256)
-        self._value_buffer = _empty_like_with_length(value_states, 256)
+        first = min(256, self.max_positions)  # update grows it where the first pass needs more
+        self._key_buffer = _empty_like_with_length(key_states, first)
+        self._value_buffer = _empty_like_with_length(value_states, first)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +126,10 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self._key_buffer.shape[-2]:
-            # doubling, but never past the model's context (what a memory bound prices)
-            capacity = max(end, min(2 * self._key_buffer.shape[-2], self.max_positions))
+            # doubling, but never past the model's context or a memory bound's price (a
+            # sequence longer than its price grows as without one)
+            ceiling = self.max_positions if end <= self.max_positions else self.context
+            capacity = max(end, min(2 * self._key_buffer.shape[-2], ceiling))
             self._key_buffer = self._grown(self._key_buffer, capacity)
             self._value_buffer = self._grown(self._value_buffer, capacity)
         self._key_buffer[..., self.length:end, :] = key_states
@@ -156,9 +167,18 @@ def new_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [PreallocatedLayer() for _ in cache.layers]
-        for layer in cache.layers:
-            layer.max_positions = _max_positions(config)
+        _limit_layers(cache, config, None)
     return cache
+
+
+def _limit_layers(cache: DynamicCache, config, positions: int | None) -> None:
+    """The positions a cache's preallocated layers grow to at most: the model's context, or
+    fewer (Runner.limit_growth)."""
+    context = _max_positions(config)
+    limit = context if positions is None else max(1, min(context, positions))
+    for layer in cache.layers:
+        if isinstance(layer, PreallocatedLayer):
+            layer.max_positions, layer.context = limit, context
 
 
 def _max_positions(config) -> int:

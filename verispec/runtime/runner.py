@@ -85,6 +85,12 @@ class Runner(Protocol):
         else the runtime keeps per position), to price a sequence before it runs."""
         ...
 
+    def limit_growth(self, positions: int | None) -> None:
+        """Let the cache grow to at most about `positions` positions (rounded up as the runtime
+        lays them out; doubling below that) from now on, or up to the context (None): what a
+        memory bound priced the sequence at. A longer sequence still runs."""
+        ...
+
 
 class PrefixRunner(ABC):
     """The bookkeeping of which tokens a runner's cache holds, shared by every runtime.

@@ -36,6 +36,14 @@ class KVCache:
         self.keys = self.values = None
         self.features = None  # [capacity, H]: each position's last hidden state, before the norm
         self.taps = None  # [capacity, n, H]: the hidden states after tap_layers, when any
+        self.growth_limit: int | None = None  # positions it grows to at most (`limit_growth`)
+
+    def limit_growth(self, positions: int | None) -> None:
+        """Grow to at most `positions` (padded as passes attend) from now on, doubling below
+        that (None: up to the context): what a memory bound priced the sequence at. A longer
+        sequence is still taken, growing as without a limit."""
+        self.growth_limit = None if positions is None else padded_keys(
+            max(1, positions), self.shape.max_positions)
 
     def reserve(self, length: int) -> None:
         """Room for `length` positions and the padding short passes attend over."""
@@ -46,7 +54,9 @@ class KVCache:
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if length <= capacity:
             return
-        capacity = min(self.shape.max_positions, max(length, 2 * capacity, 256))
+        limit = self.growth_limit
+        ceiling = self.shape.max_positions if limit is None or length > limit else limit
+        capacity = max(length, min(ceiling, max(2 * capacity, 256)))
         size = (self.shape.num_layers, self.shape.num_kv_heads, capacity, self.shape.head_dim)
         self.keys = self._grown(self.keys, size)
         self.values = self._grown(self.values, size)

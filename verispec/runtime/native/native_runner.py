@@ -50,6 +50,9 @@ class NativeRunner(PrefixRunner):
     def bytes_per_position(self) -> int:
         return self.cache.bytes_per_position
 
+    def limit_growth(self, positions: int | None) -> None:
+        self.cache.limit_growth(positions)
+
     @property
     def tap_layers(self) -> tuple[int, ...]:
         """The layer counts after which this runner keeps every position's hidden state."""
