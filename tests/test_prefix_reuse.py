@@ -128,10 +128,8 @@ def test_seeded_sampled_rows_start_clean(tiny_file, tmp_path):
     assert run(engine, prompt, GREEDY).stats.cached_prompt_tokens == len(prompt) - 1
 
 
-def test_a_feature_draft_over_a_reused_cache(tiny_file):
-    """A feature draft reads the target's features and taps, which a copied start carries:
-    greedy rows answer as alone, and a seeded row whose whole prompt is cached (where a feature
-    draft could draft in its first round, alone it cannot) starts clean."""
+def feature_decoder(tiny_file, k: int = 3, tree_width: int = 8) -> SpeculativeDecoder:
+    """The tiny GGUF model with a randomly initialised feature draft, K fixed."""
     from verispec.distill.feature_head import FeatureHead
     from verispec.drafters.feature import FeatureDrafter
     from verispec.runtime.native.shape import LlamaShape
@@ -145,8 +143,16 @@ def test_a_feature_draft_over_a_reused_cache(tiny_file):
         if weight.dim() > 1:
             torch.nn.init.normal_(weight, std=0.02)
     vocab = int(model.config.vocab_size)
-    drafter = FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab)
-    decoder = SpeculativeDecoder(model, tokenizer, drafter, k=3, runtime="native")
+    drafter = FeatureDrafter(head.state_dict(), torch.arange(vocab), model, vocab,
+                             tree_width=tree_width)
+    return SpeculativeDecoder(model, tokenizer, drafter, k=k, runtime="native")
+
+
+def test_a_feature_draft_over_a_reused_cache(tiny_file):
+    """A feature draft reads the target's features and taps, which a copied start carries:
+    greedy rows answer as alone, and a seeded row whose whole prompt is cached (where a feature
+    draft could draft in its first round, alone it cannot) starts clean."""
+    decoder = feature_decoder(tiny_file)
     engine = decoder.engine(3)
     run(engine, PROMPT_A, GREEDY)
     second = run(engine, PROMPT_B, GREEDY)
@@ -528,3 +534,41 @@ def test_room_comes_back_as_rows_leave_in_order(decoder):
     engine.scheduler.cache_memory = engine.scheduler._need(engine.scheduler.waiting[0])
     outputs, joined, _, together = drive(engine, cancel_at={3: ids[0]})
     assert joined == ids and ids[0] not in outputs and together[3] == {ids[1]}
+
+
+def test_a_rows_caches_with_a_drafter_stay_within_its_price(tiny_file, tmp_path):
+    """Target and drafter caches of every running row stay within what it was priced at: a
+    short request on the slot a longer one left (a feature draft's cache is new at each
+    admission, the target's already grown), wide and deep greedy trees that run the feature
+    draft ahead of the target, a draft model; and caches grow freely once their row leaves."""
+    draft_file = tmp_path / "draft.gguf"
+    write_tiny_gguf(draft_file, seed=1)
+    decoders = [feature_decoder(tiny_file), feature_decoder(tiny_file, k=12, tree_width=8),
+                SpeculativeDecoder.from_pretrained(tiny_file, draft=f"hybrid:{draft_file}", k=3,
+                                                   dequantize=None)]
+    long_prompt = [(7 * j) % 89 + 3 for j in range(120)]
+    for decoder in decoders:
+        engine = decoder.engine(1)
+        for prompt, n in ((long_prompt, 60), ([5, 9, 14, 2], 6), (PROMPT_B, 24),
+                          ([5, 9] * 20, 88)):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        outputs, _, _, _ = drive(engine)  # asserts each row's caches within its price
+        assert len(outputs) == 4
+        for slot in engine.scheduler._free:
+            assert slot.runner.cache.growth_limit is None
+            draft_cache = getattr(getattr(slot.drafter, "model", slot.drafter), "cache", None)
+            runner = getattr(getattr(slot.drafter, "model", None), "runner", None)
+            assert getattr(draft_cache, "growth_limit", None) is None
+            assert runner is None or runner.cache.growth_limit is None
+
+
+def test_a_limited_cache_grows_on_past_its_limit(tiny_file):
+    """A cache held to 64 positions takes a longer sequence all the same, doubling again, and
+    gives the same logits as one without a limit."""
+    model = GGUFModel(read(tiny_file))
+    limited, free = gguf_runner(model), gguf_runner(model)
+    limited.limit_growth(64)
+    ids = torch.tensor([(3 * j) % 89 + 3 for j in range(150)])
+    for end in (30, 60, 150):
+        assert torch.equal(limited.logits(ids[:end], 1), free.logits(ids[:end], 1))
+        assert limited.cache.keys.shape[2] == (64 if end <= 64 else 256)

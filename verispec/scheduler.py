@@ -18,7 +18,7 @@ emptied for a prompt that matches none.
 
 Memory. A request joins only where its caches fit in `cache_memory` beside the running rows':
 each row is priced at the most its caches may take (its prompt, budget and a round's drafts at
-`Runner.bytes_per_position` and the drafter's), its caches then grow no further
+`Runner.bytes_per_position`, and DRAFT_AHEAD more at the drafter's), its caches then grow no further
 (`Runner.limit_growth`: doubling below that), and a request that does not fit waits, in order,
 until rows leave (alone it always runs). A native runner keeps
 its cache's buffers after a reset (grown to the longest sequence it has held), so a pool's
@@ -63,6 +63,9 @@ WAIT_FOR_SHARED = 64
 DRAFT_POSITIONS = 64
 # A cache lays positions out in blocks of this many (the native runtime's attention blocks).
 POSITION_BLOCK = 64
+# Positions a drafter's caches may run ahead of the target's: a draft model's chain, a feature
+# draft's greedy tree ((K - 1) x its width nodes).
+DRAFT_AHEAD = 256
 
 
 def default_cache_memory(device: torch.device | None = None) -> int:
@@ -133,8 +136,9 @@ class Scheduler:
         self.max_batch, self.config = max_batch, config
         self.idle_cache_bytes, self.cache_memory = idle_cache_bytes, cache_memory
         self._reserved: dict[int, int] = {}  # request id -> what its caches may grow to
-        # what one position takes in a row's caches: the target's and its drafter's
-        self._position_bytes = target.bytes_per_position + position_bytes(drafter)
+        # what one position takes in a row's caches: the target's, its drafter's
+        self._target_bytes = target.bytes_per_position
+        self._draft_bytes = position_bytes(drafter)
         self.target, self.drafter = target, drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -188,11 +192,13 @@ class Scheduler:
             except Exception as error:  # noqa: BLE001 - the others still join
                 if request.runner is not None:
                     # its slot goes back, never to be matched (no scope): emptied when taken
-                    self._free.append(_Slot(request.runner, request.drafter, None))
+                    slot = _Slot(request.runner, request.drafter, None)
+                    _limit(slot, None)
+                    self._free.append(slot)
                     request.runner = request.drafter = None  # the pool's alone, to drop
                 self.refused.append((request, error))
             else:
-                self._reserved[request.request_id] = max(need, _held(request))
+                self._reserved[request.request_id] = self._reservation(request)
         self.waiting.extendleft(reversed(waiting))
         self._trim()
         # 2. Rows with more than a chunk of prompt left feed the next; the last chunk goes
@@ -279,7 +285,15 @@ class Scheduler:
     def _need(self, request: Request) -> int:
         """The most a joining request's caches may take, at the target's and the drafter's
         bytes a position (its caches are then held to it: `limit_growth`)."""
-        return self._positions(request) * self._position_bytes
+        positions = self._positions(request)
+        return positions * self._target_bytes + (positions + DRAFT_AHEAD) * self._draft_bytes
+
+    def _reservation(self, request: Request) -> int:
+        """What an admitted row's caches may take: each at its price, or what it holds
+        already where more (a reused cache grows no further, and never shrinks)."""
+        positions = self._positions(request)
+        return (max(positions * self._target_bytes, request.runner.cache_bytes) +
+                max((positions + DRAFT_AHEAD) * self._draft_bytes, cache_bytes(request.drafter)))
 
     def _shares(self, request: Request) -> bool:
         """Whether a joining request may start from other rows' caches (exact ones, its scope,
@@ -359,6 +373,7 @@ class Scheduler:
                     slot.drafter, source.drafter, copied)):
                 slot.drafter.reset()
         except Exception:
+            _limit(slot, None)
             self._free.append(_Slot(slot.runner, slot.drafter, None))  # emptied when taken
             raise
         return slot
@@ -375,9 +390,10 @@ def starts_clean(params: SamplingParams) -> bool:
 
 
 def _limit(slot: _Slot | Request, positions: int | None) -> None:
-    """Let a slot's (or a row's) runner and drafter caches grow to at most `positions`."""
+    """Let a slot's (or a row's) runner caches grow to at most `positions`, its drafter's to
+    DRAFT_AHEAD more (None: up to the context)."""
     slot.runner.limit_growth(positions)
-    limit_growth(slot.drafter, positions)
+    limit_growth(slot.drafter, None if positions is None else positions + DRAFT_AHEAD)
 
 
 def _held(slot: _Slot | Request) -> int:
