@@ -327,11 +327,28 @@ struct Row {
   int64_t tree_base;                        // -1, or the first slot of a token tree
 };
 
-// Query heads of one row and KV head that one task attends: members first..last-1, member
-// t * group + head in group.
+// Query heads of one row and KV head that one task attends together: members first..last-1
+// (at most MAX_QUERIES), member t * group + head in group.
 struct AttentionTask {
   int64_t row, kv_head, first, last;
 };
+
+// One query head of a pass over its `count` keys: key j at slot j below `base`, at
+// path[j - base] from there on (a tree node's path to the root).
+struct Query {
+  const float* q;  // [d]
+  float* out;      // [d]; the weighted sum of values gathers here before it is divided
+  int64_t count, base;
+  const int64_t* path;
+  int64_t slot(int64_t j) const { return j < base ? j : path[j - base]; }
+};
+
+// Query heads attended together: the query heads of a KV head (and, in a pass over several
+// positions, those of the next positions) read the same keys and values, so each block of keys
+// (LANES of them, for the scores) and of values (VALUE_BLOCK) is read from memory once and used
+// from L1 by every query of the task, instead of streaming the whole cache once a query head.
+constexpr int64_t MAX_QUERIES = 16;
+constexpr int64_t VALUE_BLOCK = 32;
 
 // q . k lane by lane over CHUNKS chunks of 16 (lane l: q_l k_l + q_{l+16} k_{l+16} + ..., a
 // product rounded, then added, in chunk order).
@@ -342,64 +359,22 @@ inline Floats key_dot(const Floats* query, const float* k) {
   return sum;
 }
 
-// acc[c] = sum over keys j in order of w_j * v_j's chunk c (the same rounding: a product, then
-// an addition).
-template <int CHUNKS, class Slot>
-inline void weighted_values(const float* values, int64_t count, const Slot& slot,
-                            const float* weights, Floats* acc) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // On AVX2 a 64-byte `Floats` is two registers, and GCC keeps an array of them in memory, so
-  // every key paid a store and a reload per chunk; the same operations on 256-bit halves held
-  // in registers give the same bits.
-  __m256 low[CHUNKS], high[CHUNKS];
-  for (int c = 0; c < CHUNKS; c++) low[c] = high[c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < count; j++) {
-    const float* v = values + slot(j) * CHUNKS * LANES;
-    const __m256 w = _mm256_set1_ps(weights[j]);
-    for (int c = 0; c < CHUNKS; c++) {
-      low[c] = _mm256_add_ps(low[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + c * LANES)));
-      high[c] = _mm256_add_ps(high[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + c * LANES + 8)));
-    }
-  }
-  for (int c = 0; c < CHUNKS; c++) {
-    float lanes[LANES];
-    _mm256_storeu_ps(lanes, low[c]);
-    _mm256_storeu_ps(lanes + 8, high[c]);
-    acc[c] = load_lanes(lanes);
-  }
-#else
-  for (int c = 0; c < CHUNKS; c++) acc[c] = Floats{};
-  for (int64_t j = 0; j < count; j++) {
-    const float* v = values + slot(j) * CHUNKS * LANES;
-    const Floats w = splat(weights[j]);
-    for (int c = 0; c < CHUNKS; c++) acc[c] = acc[c] + w * load_lanes(v + c * LANES);
-  }
-#endif
-}
-
-// One query head over its keys (key j at slot j below `base`, path[j - base] from it on;
-// `count` keys): out [d] = softmax(q . k_j * scale) . v_j in key order. CHUNKS = d / 16, a
-// constant, so that the query and the output's accumulators stay in registers.
+// scores[j] = (q . k_j) * scale for keys j0 .. j0 + 15 of `query` (those it has), each key's
+// lanes summed in lane_sum's order, and their maximum folded into `top` in key order.
 template <int CHUNKS>
-inline void attend_query(const float* q, const float* keys, const float* values, int64_t count,
-                         int64_t base, const int64_t* path, float scale, float* scores,
-                         float* out) {
+inline void score_block(const Query& query, const float* keys, int64_t j0, float scale,
+                        float* scores, float& top) {
   constexpr int64_t d = CHUNKS * LANES;
-  const auto slot = [&](int64_t j) { return j < base ? j : path[j - base]; };
-  Floats query[CHUNKS];
-  for (int c = 0; c < CHUNKS; c++) query[c] = load_lanes(q + c * LANES);
-  // 1. scores 16 keys at a time (each one's lanes summed as lane_sum does), and their maximum
-  float top = -std::numeric_limits<float>::infinity();
-  const int64_t padded = (count + LANES - 1) / LANES * LANES;
+  const int64_t here = std::min<int64_t>(LANES, query.count - j0);
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // AVX2: each key's lanes summed on 256-bit halves in registers, in lane_sum's order
   __m256 low[CHUNKS], high[CHUNKS];
   for (int c = 0; c < CHUNKS; c++) {
-    low[c] = _mm256_loadu_ps(q + c * LANES);
-    high[c] = _mm256_loadu_ps(q + c * LANES + 8);
+    low[c] = _mm256_loadu_ps(query.q + c * LANES);
+    high[c] = _mm256_loadu_ps(query.q + c * LANES + 8);
   }
-  for (int64_t j = 0; j < count; j++) {
-    const float* k = keys + slot(j) * d;
+  for (int64_t j = j0; j < j0 + here; j++) {
+    const float* k = keys + query.slot(j) * d;
     __m256 sum_low = _mm256_mul_ps(low[0], _mm256_loadu_ps(k));
     __m256 sum_high = _mm256_mul_ps(high[0], _mm256_loadu_ps(k + 8));
     for (int c = 1; c < CHUNKS; c++) {
@@ -414,21 +389,20 @@ inline void attend_query(const float* q, const float* keys, const float* values,
     top = scores[j] > top ? scores[j] : top;
   }
 #else
-  for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
-    Floats parts[LANES];
-    const int64_t here = std::min<int64_t>(LANES, count - j0);
-    for (int64_t t = 0; t < LANES; t++) {
-      if (t >= here) {
-        parts[t] = Floats{};
-        continue;
-      }
-      parts[t] = key_dot<CHUNKS>(query, keys + slot(j0 + t) * d);
-    }
-    store_lanes(scores + j0, lane_sums16(parts) * scale);
-    for (int64_t t = 0; t < here; t++) top = scores[j0 + t] > top ? scores[j0 + t] : top;
-  }
+  Floats q[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) q[c] = load_lanes(query.q + c * LANES);
+  Floats parts[LANES];
+  for (int64_t t = 0; t < LANES; t++)
+    parts[t] = t < here ? key_dot<CHUNKS>(q, keys + query.slot(j0 + t) * d) : Floats{};
+  store_lanes(scores + j0, lane_sums16(parts) * scale);
+  for (int64_t t = 0; t < here; t++) top = scores[j0 + t] > top ? scores[j0 + t] : top;
 #endif
-  // 2. weights e^(s - max), zero past the last key, summed lane by lane
+}
+
+// The softmax's weights in place, e^(s - top), zero past the last key (scores padded to a
+// multiple of 16), and their sum, lane by lane, then lane_sum.
+inline float softmax_weights(float* scores, int64_t count, float top) {
+  const int64_t padded = (count + LANES - 1) / LANES * LANES;
   for (int64_t j = count; j < padded; j++) scores[j] = 0.0f;
   Floats total = Floats{};
   for (int64_t j = 0; j < padded; j += LANES) {
@@ -438,27 +412,104 @@ inline void attend_query(const float* q, const float* keys, const float* values,
     store_lanes(scores + j, w);
     total = total + w;
   }
-  const Floats sum = splat(lane_sum(total));
-  // 3. the weighted sum of values in key order
-  Floats acc[CHUNKS];
-  weighted_values<CHUNKS>(values, count, slot, scores, acc);
-  for (int c = 0; c < CHUNKS; c++) store_lanes(out + c * LANES, acc[c] / sum);
+  return lane_sum(total);
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t,
-                          const int64_t*, float, float*, float*);
+// query.out [d] += sum over keys j0 .. j1 - 1 in order of w_j * v_j, chunk by chunk (a
+// product, then an addition), starting from zero when j0 is 0.
+template <int CHUNKS>
+inline void add_values(const Query& query, const float* values, int64_t j0, int64_t j1,
+                       const float* weights) {
+  constexpr int64_t d = CHUNKS * LANES;
+  float* out = query.out;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // On AVX2 a 64-byte `Floats` is two registers, and GCC keeps an array of them in memory, so
+  // every key paid a store and a reload per chunk; the same operations on 256-bit halves held
+  // in registers give the same bits.
+  __m256 low[CHUNKS], high[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) {
+    low[c] = j0 ? _mm256_loadu_ps(out + c * LANES) : _mm256_setzero_ps();
+    high[c] = j0 ? _mm256_loadu_ps(out + c * LANES + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t j = j0; j < j1; j++) {
+    const float* v = values + query.slot(j) * d;
+    const __m256 w = _mm256_set1_ps(weights[j]);
+    for (int c = 0; c < CHUNKS; c++) {
+      low[c] = _mm256_add_ps(low[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + c * LANES)));
+      high[c] = _mm256_add_ps(high[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + c * LANES + 8)));
+    }
+  }
+  for (int c = 0; c < CHUNKS; c++) {
+    _mm256_storeu_ps(out + c * LANES, low[c]);
+    _mm256_storeu_ps(out + c * LANES + 8, high[c]);
+  }
+#else
+  Floats acc[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) acc[c] = j0 ? load_lanes(out + c * LANES) : Floats{};
+  for (int64_t j = j0; j < j1; j++) {
+    const float* v = values + query.slot(j) * d;
+    const Floats w = splat(weights[j]);
+    for (int c = 0; c < CHUNKS; c++) acc[c] = acc[c] + w * load_lanes(v + c * LANES);
+  }
+  for (int c = 0; c < CHUNKS; c++) store_lanes(out + c * LANES, acc[c]);
+#endif
+}
+
+// m <= MAX_QUERIES query heads over one KV head's keys and values: out [d] = softmax(q . k_j *
+// scale) . v_j, each query alone and in key order (the bits do not depend on which queries
+// share a call). scores: m rows of `stride` floats (each query's keys, padded to 16). CHUNKS =
+// d / 16, a constant, so that a query and its sums stay in registers.
+template <int CHUNKS>
+inline void attend_queries(const Query* queries, int64_t m, const float* keys,
+                           const float* values, float scale, float* scores, int64_t stride) {
+  int64_t longest = 0;
+  float top[MAX_QUERIES], sum[MAX_QUERIES];
+  for (int64_t i = 0; i < m; i++) {
+    longest = std::max(longest, queries[i].count);
+    top[i] = -std::numeric_limits<float>::infinity();
+  }
+  // 1. scores, a block of 16 keys for every query in turn, and each query's maximum
+  for (int64_t j0 = 0; j0 < longest; j0 += LANES)
+    for (int64_t i = 0; i < m; i++)
+      if (queries[i].count > j0)
+        score_block<CHUNKS>(queries[i], keys, j0, scale, scores + i * stride, top[i]);
+  // 2. each query's weights and their sum
+  for (int64_t i = 0; i < m; i++)
+    sum[i] = softmax_weights(scores + i * stride, queries[i].count, top[i]);
+  // 3. the weighted sums of values in key order, a block of values for every query in turn
+  for (int64_t j0 = 0; j0 < longest; j0 += VALUE_BLOCK)
+    for (int64_t i = 0; i < m; i++)
+      if (queries[i].count > j0)
+        add_values<CHUNKS>(queries[i], values, j0,
+                           std::min(j0 + VALUE_BLOCK, queries[i].count), scores + i * stride);
+  for (int64_t i = 0; i < m; i++) {
+    const Floats total = splat(sum[i]);
+    for (int c = 0; c < CHUNKS; c++)
+      store_lanes(queries[i].out + c * LANES, load_lanes(queries[i].out + c * LANES) / total);
+  }
+}
+
+using AttendFn = void (*)(const Query*, int64_t, const float*, const float*, float, float*,
+                          int64_t);
 
 template <size_t... C>
 constexpr std::array<AttendFn, sizeof...(C)> attend_table(std::index_sequence<C...>) {
-  return {&attend_query<int(C) + 1>...};
+  return {&attend_queries<int(C) + 1>...};
 }
 
 constexpr int64_t MAX_HEAD_DIM = 256;
 
-// attend_query for head_dim d (a multiple of 16 up to MAX_HEAD_DIM), else nullptr.
+// attend_queries for head_dim d (a multiple of 16 up to MAX_HEAD_DIM), else nullptr.
 inline AttendFn attend_for(int64_t d) {
   static constexpr auto table = attend_table(std::make_index_sequence<MAX_HEAD_DIM / LANES>{});
   return d % LANES == 0 && d >= LANES && d <= MAX_HEAD_DIM ? table[d / LANES - 1] : nullptr;
+}
+
+// Query heads a task of a lone decode position attends together: a KV head's, split where the
+// KV heads do not divide among the threads, so that every thread has work.
+inline int64_t lone_task_size(int64_t group, int64_t kv_heads, int64_t threads) {
+  const int64_t splits = kv_heads % threads == 0 ? 1 : (2 * threads + kv_heads - 1) / kv_heads;
+  return std::min(MAX_QUERIES, (group + splits - 1) / splits);
 }
 
 // The decoder layers over every row's new positions: x [N, H] float32 is updated in place, each
@@ -541,12 +592,15 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
   }
   if (n == 0) return;
 
-  // 2. Attention tasks: a lone decode row's query heads one a task (work for every thread),
-  // else up to 16 query heads of one KV head.
+  // 2. Attention tasks: up to MAX_QUERIES query heads of one row and KV head (a lone decode
+  // position's split so that every thread has work).
+  const int64_t num_threads = std::max(1, at::get_num_threads());
   std::vector<AttentionTask> tasks;
   for (size_t r = 0; r < rows.size(); r++) {
     const int64_t members = rows[r].length * group;
-    const int64_t size = rows.size() == 1 && rows[r].length == 1 ? 1 : 16;
+    const int64_t size = rows.size() == 1 && rows[r].length == 1
+                             ? lone_task_size(group, shape.kv_heads, num_threads)
+                             : MAX_QUERIES;
     for (int64_t kv_head = 0; kv_head < shape.kv_heads; kv_head++)
       for (int64_t first = 0; first < members; first += size)
         tasks.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});
@@ -593,7 +647,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
   // counter a layer
   std::vector<std::atomic<int64_t>> next_task(num_layers);
   for (auto& counter : next_task) counter.store(0);
-#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+#pragma omp parallel num_threads(num_threads)
   {
     // the team OpenMP gave (one thread where the pass is called inside another team)
     team.join(omp_get_num_threads());
@@ -604,7 +658,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       share[p * me.threads + me.thread].set(first, last);
     }
     me.wait();
-    std::vector<float> scores(scratch_size);
+    std::vector<float> scores(MAX_QUERIES * scratch_size);  // a task's queries'
     const auto [i0, i1] = me.share(n);  // this thread's positions in the per-position phases
     for (int64_t layer = 0; layer < num_layers; layer++) {
       const LayerWeights& w = decoder.layers[layer];
@@ -639,15 +693,18 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
         const AttentionTask& a = tasks[task];
         const Row& row = rows[a.row];
         const int64_t at = (layer * shape.kv_heads + a.kv_head) * row.capacity * d;
+        Query queries[MAX_QUERIES];
         for (int64_t member = a.first; member < a.last; member++) {
           const int64_t i = row.offset + member / group;
           const int64_t head = a.kv_head * group + member % group;
           const int64_t depth = path_length(i);
-          const int64_t base = depth ? row.tree_base : std::numeric_limits<int64_t>::max();
-          attend(&qkv[i * qkv_width + head * d], row.keys + at, row.values + at,
-                 positions[i] + 1, base, depth ? path_slots + pass.path_offsets[i] : nullptr,
-                 scale, scores.data(), &attended[i * q_width + head * d]);
+          queries[member - a.first] = {
+              &qkv[i * qkv_width + head * d], &attended[i * q_width + head * d],
+              positions[i] + 1, depth ? row.tree_base : std::numeric_limits<int64_t>::max(),
+              depth ? path_slots + pass.path_offsets[i] : nullptr};
         }
+        attend(queries, a.last - a.first, row.keys + at, row.values + at, scale,
+               scores.data(), scratch_size);
       }
       me.wait();
       for (int64_t i = i0; i < i1; i++) by_heads.quantise(&attended[i * q_width], q_width, i);
