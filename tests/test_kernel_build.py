@@ -122,3 +122,25 @@ def test_a_failed_build_is_reported_by_its_first_compiler_error():
     # nothing a compiler printed: the last line, or the error's kind
     assert kernel_build._build_error(OSError("no such file: ninja")) == "no such file: ninja"
     assert kernel_build._build_error(RuntimeError("")) == "RuntimeError"
+
+
+def test_every_kernel_this_cpu_runs_builds_where_the_tools_are(caplog):
+    """Where a C++ compiler and ninja are present, each kernel family this CPU runs (and the
+    setting allows) builds. The kernel tests skip a path that does not build, so without this
+    a compile error would pass the suite with only the PyTorch path tested."""
+    from torch.utils import cpp_extension
+
+    from verispec.verify import native as verify_native
+    if shutil.which(os.environ.get("CXX", "c++")) is None \
+            or not cpp_extension.is_ninja_available():
+        pytest.skip("no C++ compiler or no ninja here")
+    setting = kernel_build.kernel_setting()
+    caplog.set_level(logging.WARNING, logger="verispec")
+    failed = [path for path in ("scalar", "avx2", "avx512")
+              if setting.allows(path) and quant_kernels.RUNS_HERE[path]()
+              and quant_kernels.load(path) is None]
+    if setting.allows("avx512") and cpu.has_bf16() and native_kernels.load() is None:
+        failed.append("bf16 stack")
+    if setting.enabled and verify_native.load() is None:
+        failed.append("chain verifier")
+    assert not failed, f"{failed} did not build: {caplog.text}"
