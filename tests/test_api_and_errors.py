@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_gpt2
 
 from verispec import SamplingParams, SpeculativeDecoder
+from verispec.config import EngineConfig
 from verispec.drafters import NgramDrafter
 from verispec.drafters.load import load_drafter
 from verispec.errors import IncompatibleDraftError, ModelNotFoundError
@@ -133,3 +134,25 @@ def test_greedy_ignores_generator_state(decoder):
     a = decoder.generate("abc", SamplingParams(max_new_tokens=10))
     torch.manual_seed(1)
     assert decoder.generate("abc", SamplingParams(max_new_tokens=10)).token_ids == a.token_ids
+
+
+def test_bad_arguments_raise_value_error_naming_the_fault(decoder):
+    """What a library user gets wrong is a ValueError that says what, before anything runs:
+    not an AttributeError, a TypeError from the tokenizer, or a failure midway."""
+    cases = [
+        (lambda: decoder.generate("hi", {"max_new_tokens": 4}), "SamplingParams"),
+        (lambda: list(decoder.stream(["a", "b"])), "list of texts"),
+        (lambda: decoder.generate("\udcff hi"), "not valid Unicode"),
+        (lambda: decoder.generate("hi", prediction="\udcff"), "not valid Unicode"),
+        (lambda: SamplingParams(temperature=float("inf")), "finite"),
+        (lambda: SamplingParams(ignore_eos="no"), "ignore_eos"),
+        (lambda: EngineConfig(device="bogus"), "device"),
+        (lambda: EngineConfig(target=""), "target is empty"),
+        (lambda: EngineConfig(draft=" "), "draft is empty"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((lambda: EngineConfig(device="cuda"), "no CUDA GPU"))
+    for call, words in cases:
+        with pytest.raises(ValueError, match=words):
+            call()
+    assert decoder.generate("hi", SamplingParams(max_new_tokens=2)).token_ids  # still serves

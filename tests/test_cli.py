@@ -99,7 +99,16 @@ def test_bad_input_exits_2_with_a_message(capsys, model_folders, tmp_path):
         ["generate", "x", "--target", target, "--tree-width", "0"],
         ["serve", "--target", target, "--idle-cache-mb", "-1"],  # before the model loads
         ["serve", "--target", target, "--cache-memory-mb", "-1"],
+        ["serve", "--target", target, "--api-key", ""],  # not an open server
+        ["serve", "--target", target, "--port", "70000"],
+        ["generate", "\udcff\udcfe bytes that are not UTF-8", "--target", target],
+        ["generate", "x", "--target", target, "--temperature", "inf"],
+        ["generate", "x", "--target", target, "--device", "bogus"],
+        ["generate", "x", "--target", ""],
+        ["generate", "x", "--target", target, "--draft", ""],
     ]
+    if not torch.cuda.is_available():
+        cases.append(["generate", "x", "--target", target, "--device", "cuda"])
     for argv in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err

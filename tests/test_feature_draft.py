@@ -378,3 +378,30 @@ def test_negative_control_always_accept_with_a_feature_draft_is_detected(small_t
     monkeypatch.setattr("verispec.verify.drafts.rejection_sample_tree", first_child_always)
     counts = counts_of_tokens_2_and_3(small_target, tree_width)
     assert chi2_pvalue(counts, native_joint_of_tokens_2_and_3(small_target)) < 1e-6
+
+
+@pytest.mark.parametrize("room", [1, 2, 5, 9])
+def test_trees_near_the_end_of_the_context_fit_in_it(run, target, room):
+    """A prompt that leaves `room` positions of the context: the feature draft grows its trees
+    no deeper than its cache has slots for, the target verifies no more nodes than fit, and the
+    output is plain greedy decoding's up to the context (it had stopped with "exceeds the
+    model's context" where trees of width 8 were drafted past the end). Sampled trees (opt-in)
+    are dropped where they do not fit."""
+    _, result = run
+    model, tokenizer = target
+    plain = SpeculativeDecoder(model, tokenizer, None, runtime="native")
+    positions = plain.target.max_positions
+    prompt = torch.randint(3, VOCAB, (positions - room,),
+                           generator=torch.Generator().manual_seed(room)).tolist()
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    expected = plain.generate(prompt, params).token_ids
+    assert len(expected) == room
+    drafter = load_drafter(str(result.draft), model, tokenizer)
+    drafter.tree_width = drafter.sampled_tree_width = 8
+    for k in (6, "auto"):
+        spec = SpeculativeDecoder(model, tokenizer, drafter, k=k, runtime="native")
+        assert spec.generate(prompt, params).token_ids == expected
+    sampled = SamplingParams(max_new_tokens=64, temperature=1.0, seed=5, ignore_eos=True,
+                             verify="invariant")
+    spec = SpeculativeDecoder(model, tokenizer, drafter, k=6, runtime="native")
+    assert spec.generate(prompt, sampled).token_ids == plain.generate(prompt, sampled).token_ids

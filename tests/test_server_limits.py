@@ -358,3 +358,20 @@ def test_sigterm_finishes_short_requests_cuts_long_ones_and_exits_0(long_context
         if process.poll() is None:
             process.kill()
         process.wait()
+
+
+def test_a_client_that_leaves_midway_through_its_body_is_not_a_server_error(url):
+    """Half a body, then the connection closed: counted under 499 (the client closed it), not
+    500, which would page whoever watches the server's errors."""
+    def counted(status: str) -> float:
+        text = httpx.get(f"{url}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("verispec_requests_total{") and
+                   f'status="{status}"' in line and "/v1/completions" in line)
+
+    errors, closed = counted("500"), counted("499")
+    with socket.create_connection((urlsplit(url).hostname, urlsplit(url).port),
+                                  timeout=30) as sock:
+        sock.sendall(raw_post("/v1/completions", b'{"model": ' + b" " * 490)[:-400])
+    assert wait_until(lambda: counted("499") > closed)
+    assert counted("500") == errors

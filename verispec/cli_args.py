@@ -143,11 +143,13 @@ def serve_config(args: argparse.Namespace):
     from verispec.server import ServerConfig
     from verispec.server.settings import DEFAULT_MAX_BODY_BYTES
 
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
     return ServerConfig(
         max_batch=args.max_batch, max_queue=args.max_queue,
         max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else
         args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
+        max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key,
         protect_metrics=args.protect_metrics, docs=args.docs,
         shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache,
         idle_cache_bytes=None if args.idle_cache_mb is None else args.idle_cache_mb << 20,

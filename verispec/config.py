@@ -143,6 +143,31 @@ def parse_k(k: int | str) -> int | str:
     raise ValueError(f"k must be an integer >= 0, 'auto' or 'heuristic', got {k!r}")
 
 
+def check_device(device: object) -> None:
+    """A device this torch can run on ("cpu", "cuda", "cuda:1", "mps"), else ValueError, before
+    anything loads (torch's own errors come after the weights have been read)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', "
+                         f"got {device!r}") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no "
+                             f"CUDA GPU")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA "
+                             f"GPUs here")
+        return
+    if parsed.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ValueError(f"device {device!r} is not available here (cpu and cuda are supported)")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """A decoder's configuration; validated when built (bad values raise ValueError)."""
@@ -169,6 +194,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k", parse_k(self.k))
+        for name in ("target", "draft"):
+            if isinstance(getattr(self, name), str) and not getattr(self, name).strip():
+                raise ValueError(f"{name} is empty: give a model name (`verispec models`), a "
+                                 f"folder or a .gguf file" + (", or 'none'" if name == "draft"
+                                                             else ""))
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, "
                              f"got {self.runtime!r}")
@@ -188,6 +218,7 @@ class EngineConfig:
                              f"got {self.draft_quant!r}")
         check_tree_width(self.tree_width)
         check_tree_width(self.sampled_tree_width)
+        check_device(self.device)
         if not isinstance(self.decode, DecodeConfig):
             raise ValueError(f"decode must be a DecodeConfig, got {type(self.decode).__name__}")
 

@@ -117,6 +117,9 @@ class Engine:
         chat template where chat, default the decoder's) or token ids; prediction: what the
         output is expected to be, mostly (Predicted Outputs: text or ids, a draft source)."""
         model = self.model
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a verispec.SamplingParams, got "
+                             f"{type(params).__name__}")
         params = params or SamplingParams()
         if params.stop and model.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")

@@ -64,8 +64,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf"),
+               f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
         _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got "
                f"{self.temperature!r}")
@@ -81,6 +81,8 @@ class SamplingParams:
                f"seed must be in [0, 2**64), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
+        _check(isinstance(self.ignore_eos, bool),
+               f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         _check(self.lookup_scope is None or isinstance(self.lookup_scope, str),
                f"lookup_scope must be a string or None, got {self.lookup_scope!r}")
         _check(self.verify in VERIFY_METHODS,

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from verispec.config import DecodeConfig
+from verispec.config import MAX_TREE_NODES, DecodeConfig
 from verispec.costs import CostModel
-from verispec.drafters.drafter import ChainCut, Draft, unread
+from verispec.drafters.drafter import ChainCut, Draft, empty_draft, unread
 from verispec.drafters.hybrid import HybridDrafter, tree_width_of
 from verispec.policy import AdaptiveK
 from verispec.request import Request
@@ -54,6 +54,28 @@ class RoundPlan:
     # a lone greedy row's measured model at its context, before any correction by rounds:
     # what its round's times are recorded against (`RoundPlanner.observe`); None: not recorded
     measured: CostModel | None = None
+
+
+def tree_room(request: Request) -> int:
+    """The tree nodes the row's cache has room for: its pass writes the last token and each
+    node in a slot of its own, within the context (a chain's depth is held by the budget)."""
+    runner = request.runner
+    return MAX_TREE_NODES if runner is None else runner.max_positions - request.context
+
+
+def fitted(draft: Draft, room: int) -> Draft:
+    """A token tree cut to at most `room` nodes: its likeliest ones where it has scores (a
+    greedy tree), else none (a sampled tree's shape is fixed before its draws; dropping it
+    whole depends on its size alone). Chains are returned as they are."""
+    if draft.parents is None or len(draft) <= room:
+        return draft
+    count = room
+    while draft.scores is not None and count > 0:
+        smaller = draft.pruned(count)
+        if len(smaller) <= room:
+            return smaller
+        count -= 1  # ancestors tied on score came along: ask for fewer
+    return empty_draft()
 
 
 class RoundPlanner:
@@ -182,7 +204,7 @@ class RoundPlanner:
             if draft.scores is not None:
                 draft = draft.pruned(request.policy.tree_size(row.prices, draft.scores,
                                                               draft.depth))
-            kept.append(draft)
+            kept.append(fitted(draft, tree_room(request)))
         if plan.batch_prices is not None and len(requests) > 1:
             kept = self._allocate(requests, kept, plan.batch_prices)
         return kept

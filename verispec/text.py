@@ -23,6 +23,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, cha
             raise ValueError("prompt is empty")
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: give the prompt as token ids")
+        check_unicode(prompt, "prompt")
         if chat and getattr(tokenizer, "chat_template", None):
             prompt = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -47,10 +48,21 @@ def encode_prediction(tokenizer: PreTrainedTokenizerBase | None, prediction: Pro
     if isinstance(prediction, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: give the prediction as token ids")
+        check_unicode(prediction, "prediction")
         ids = tokenizer(prediction, add_special_tokens=False)["input_ids"]
     else:
         ids = _id_list(prediction, vocab_size, "prediction")
     return torch.tensor(ids, dtype=torch.long)
+
+
+def check_unicode(text: str, what: str) -> None:
+    """ValueError where `text` is not valid Unicode: a lone surrogate, as Python decodes bytes
+    that are not UTF-8 (a command-line argument, a file read with errors="surrogateescape")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} is not valid Unicode text (at character {err.start}: "
+                         f"{err.reason}); bytes that are not UTF-8?") from None
 
 
 def _id_list(ids: object, vocab_size: int, what: str) -> list[int]:
@@ -62,6 +74,9 @@ def _id_list(ids: object, vocab_size: int, what: str) -> list[int]:
     if not isinstance(ids, Sequence) or isinstance(ids, str | bytes | bytearray):
         raise ValueError(f"{what} must be text or a list of token ids, not "
                          f"{type(ids).__name__}")
+    if ids and all(isinstance(t, str) for t in ids):
+        raise ValueError(f"one {what} is text or token ids, not a list of texts (a batch of "
+                         f"prompts goes to generate(), or one add_request each)")
     if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool | np.bool_) and
                0 <= t < vocab_size for t in ids):
         raise ValueError(f"{what} token ids must be integers in [0, {vocab_size})")

@@ -243,6 +243,9 @@ def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
             drafters, histories, ks, root_logits, params, generators, strict=True):
         width = drafter.width_for(row_params)
         base = int(history.numel()) - 1  # the draft cache's first tree slot
+        # every depth but the last feeds `width` nodes into the cache: near the end of the
+        # context the tree is cut shallower, so that its slots stay within it
+        k = min(k, (drafter.cache.shape.max_positions - base) // width + 1)
         if row_params.greedy:
             trees.append(_Tree(width, k, base))
         else:

@@ -34,7 +34,13 @@ from starlette.exceptions import HTTPException
 
 from verispec.drafters.suffix_cache import SuffixCache
 from verispec.engine import Event
-from verispec.server.guards import BearerAuth, BodyLimit, Draining, InternalErrors
+from verispec.server.guards import (
+    CLIENT_CLOSED,
+    BearerAuth,
+    BodyLimit,
+    Draining,
+    InternalErrors,
+)
 from verispec.server.metrics import CountRequests, Metrics
 from verispec.server.prompts import Prompts
 from verispec.server.protocol import (
@@ -51,8 +57,7 @@ from verispec.server.worker import EngineThread, GenerationFailed, QueueFull, Re
 log = logging.getLogger("verispec")
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
-CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 
 
 def create_app(decoder, model_name: str, config: ServerConfig | None = None,

@@ -103,6 +103,11 @@ class BearerAuth:
         return path == "/v1" or path.startswith("/v1/") or path in self.also
 
 
+# Set in an HTTP scope whose client left before its request was whole (`CountRequests`).
+CLIENT_LEFT = "verispec.client_left"
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
+
+
 class BodyLimit:
     """Refuse a request body over `max_bytes` with 413: at once from its Content-Length, else
     (chunked uploads) as soon as the bytes read pass the limit. The body is read here, so the
@@ -124,6 +129,7 @@ class BodyLimit:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left before sending it all
+                scope[CLIENT_LEFT] = True  # no response: counted as the client's, not a 500
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])

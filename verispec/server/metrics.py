@@ -15,6 +15,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from verispec.drafters.suffix_cache import CacheUsage
+from verispec.server.guards import CLIENT_CLOSED, CLIENT_LEFT
 
 PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                    "/metrics"})
@@ -150,7 +151,7 @@ class CountRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500  # unless a response starts
+        status = 500  # unless a response starts, or the client left before its request was whole
 
         async def send_and_note(message) -> None:
             nonlocal status
@@ -161,5 +162,7 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
+            if scope.get(CLIENT_LEFT):
+                status = CLIENT_CLOSED
             path = scope["path"] if scope["path"] in PATHS else "other"
             self.metrics.requests.labels(path, str(status)).inc()
