@@ -242,6 +242,9 @@ def test_the_client_raises_openai_errors(client):
 
 def test_models_health_and_metrics(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
     assert httpx.get(f"{url}/health").status_code == 200
     before = metric(url, "verispec_generated_tokens_total")
     client.completions.create(model=MODEL, prompt="abcabcabc", max_tokens=10, temperature=0,

@@ -104,10 +104,18 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    served = {"id": model_name, "object": "model", "created": created, "owned_by": "verispec"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": created, "owned_by": "verispec"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:  # the openai client's models.retrieve
+        if model_id != model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
+                                f"`{model_name}`", param="model", code="model_not_found")
+        return served
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
