@@ -149,6 +149,7 @@ def test_bad_arguments_raise_value_error_naming_the_fault(decoder):
         (lambda: EngineConfig(device="bogus"), "device"),
         (lambda: EngineConfig(target=""), "target is empty"),
         (lambda: EngineConfig(draft=" "), "draft is empty"),
+        (lambda: EngineConfig(int8=True, runtime="hf"), "native runtime"),
     ]
     if not torch.cuda.is_available():
         cases.append((lambda: EngineConfig(device="cuda"), "no CUDA GPU"))

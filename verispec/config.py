@@ -204,6 +204,8 @@ class EngineConfig:
                              f"got {self.runtime!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.int8 and self.runtime == "hf":
+            raise ValueError("int8 weights need the native runtime (--runtime native or auto)")
         if self.dequantize not in DEQUANTIZE:
             raise ValueError(f"dequantize must be 'auto', 'bf16' or None, "
                              f"got {self.dequantize!r}")
