@@ -243,6 +243,7 @@ def test_the_client_raises_openai_errors(client):
 def test_models_health_and_metrics(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{url}/v1/models/").json()["data"][0]["id"] == MODEL
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-4o")
     assert httpx.get(f"{url}/health").status_code == 200

@@ -143,8 +143,11 @@ def serve_config(args: argparse.Namespace):
     from verispec.server import ServerConfig
     from verispec.server.settings import DEFAULT_MAX_BODY_BYTES
 
-    if not 1 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (or VERISPEC_API_KEY) is empty: give a key, or leave both "
+                         "unset to serve without one")
     return ServerConfig(
         max_batch=args.max_batch, max_queue=args.max_queue,
         max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else

@@ -165,7 +165,11 @@ def check_device(device: object) -> None:
         return
     if parsed.type == "mps" and torch.backends.mps.is_available():
         return
-    raise ValueError(f"device {device!r} is not available here (cpu and cuda are supported)")
+    backend = getattr(torch, parsed.type, None)  # torch.xpu and other accelerators' modules
+    if parsed.type not in ("mps", "meta") and callable(getattr(backend, "is_available", None)) \
+            and backend.is_available():
+        return
+    raise ValueError(f"device {device!r} is not available here")
 
 
 @dataclass(frozen=True, slots=True)

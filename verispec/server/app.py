@@ -112,6 +112,8 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:  # the openai client's models.retrieve
+        if not model_id:  # /v1/models/
+            return await models()
         if model_id != model_name:
             raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
                                 f"`{model_name}`", param="model", code="model_not_found")
