@@ -155,21 +155,15 @@ def check_device(device: object) -> None:
                          f"got {device!r}") from None
     if parsed.type == "cpu":
         return
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no "
-                             f"CUDA GPU")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA "
-                             f"GPUs here")
-        return
-    if parsed.type == "mps" and torch.backends.mps.is_available():
-        return
-    backend = getattr(torch, parsed.type, None)  # torch.xpu and other accelerators' modules
-    if parsed.type not in ("mps", "meta") and callable(getattr(backend, "is_available", None)) \
-            and backend.is_available():
-        return
-    raise ValueError(f"device {device!r} is not available here")
+    # torch.cuda, torch.xpu, ...: each accelerator's module says whether it is there
+    backend = torch.backends.mps if parsed.type == "mps" else getattr(torch, parsed.type, None)
+    if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        seen = "sees no CUDA GPU" if parsed.type == "cuda" else "cannot use it here"
+        raise ValueError(f"device {device!r}: this torch ({torch.__version__}) {seen}")
+    if parsed.type == "cuda" and parsed.index is not None \
+            and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs "
+                         f"here")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, cha
             raise ValueError("prompt is empty")
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: give the prompt as token ids")
-        check_unicode(prompt, "prompt")
+        unicode_only(prompt, "prompt")
         if chat and getattr(tokenizer, "chat_template", None):
             prompt = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -48,21 +48,23 @@ def encode_prediction(tokenizer: PreTrainedTokenizerBase | None, prediction: Pro
     if isinstance(prediction, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: give the prediction as token ids")
-        check_unicode(prediction, "prediction")
+        unicode_only(prediction, "prediction")
         ids = tokenizer(prediction, add_special_tokens=False)["input_ids"]
     else:
         ids = _id_list(prediction, vocab_size, "prediction")
     return torch.tensor(ids, dtype=torch.long)
 
 
-def check_unicode(text: str, what: str) -> None:
-    """ValueError where `text` is not valid Unicode: a lone surrogate, as Python decodes bytes
-    that are not UTF-8 (a command-line argument, a file read with errors="surrogateescape")."""
+def unicode_only(text: str, what: str | None = None) -> str:
+    """`text`, where UTF-8 can encode it; else ValueError (naming `what`): a lone surrogate, as
+    JSON's "\\ud800" or bytes that are not UTF-8 on a command line decode to. No tokenizer takes
+    it, and no response could repeat it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ValueError(f"{what} is not valid Unicode text (at character {err.start}: "
-                         f"{err.reason}); bytes that are not UTF-8?") from None
+        subject = "not valid Unicode" if what is None else f"{what} is not valid Unicode"
+        raise ValueError(f"{subject}: {err.reason} at character {err.start}") from None
+    return text
 
 
 def _id_list(ids: object, vocab_size: int, what: str) -> list[int]:

@@ -115,8 +115,7 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
         if not model_id:  # /v1/models/
             return await models()
         if model_id != model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
-                                f"`{model_name}`", param="model", code="model_not_found")
+            raise unknown_model(model_id)
         return served
 
     @app.post("/v1/completions")
@@ -132,10 +131,13 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
         return await respond(request, body, Reply(chat=True, model=model_name),
                              partial(prompts.chat, messages))
 
+    def unknown_model(name: str) -> APIError:
+        return APIError(404, f"The model `{name}` does not exist; this server serves "
+                             f"`{model_name}`", param="model", code="model_not_found")
+
     def check_model(body: SamplingFields) -> None:
         if body.model != model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                                f"`{model_name}`", param="model", code="model_not_found")
+            raise unknown_model(body.model)
 
     async def respond(request: Request, body: SamplingFields, reply: Reply, encode
                       ) -> Response:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from verispec.params import MAX_SEED, MIN_TEMPERATURE, SamplingParams
+from verispec.text import unicode_only
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -36,16 +37,6 @@ NEUTRAL = {
     "min_tokens": (None, 0), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,),
 }
-
-
-def unicode_only(text: str) -> str:
-    """Refuse a string UTF-8 cannot encode (a lone surrogate from JSON's "\\ud800"): no
-    tokenizer takes it, and no response could repeat it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(f"not valid Unicode: {err.reason} at character {err.start}") from None
-    return text
 
 
 Text = Annotated[str, AfterValidator(unicode_only)]
