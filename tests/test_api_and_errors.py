@@ -142,6 +142,7 @@ def test_bad_arguments_raise_value_error_naming_the_fault(decoder):
     cases = [
         (lambda: decoder.generate("hi", {"max_new_tokens": 4}), "SamplingParams"),
         (lambda: list(decoder.stream(["a", "b"])), "list of texts"),
+        (lambda: decoder.generate([{"role": "user", "content": "hi"}]), "not chat messages"),
         (lambda: decoder.generate("\udcff hi"), "not valid Unicode"),
         (lambda: decoder.generate("hi", prediction="\udcff"), "not valid Unicode"),
         (lambda: SamplingParams(temperature=float("inf")), "finite"),

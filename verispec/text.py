@@ -4,7 +4,7 @@ ids to text as it streams, with stop strings (`TextStream`)."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -76,6 +76,10 @@ def _id_list(ids: object, vocab_size: int, what: str) -> list[int]:
     if not isinstance(ids, Sequence) or isinstance(ids, str | bytes | bytearray):
         raise ValueError(f"{what} must be text or a list of token ids, not "
                          f"{type(ids).__name__}")
+    if ids and any(isinstance(t, Mapping) for t in ids):
+        raise ValueError(f"one {what} is text or token ids, not chat messages: give the user's "
+                         f"text (the model's chat template is applied to it), or the ids of "
+                         f"tokenizer.apply_chat_template(messages, add_generation_prompt=True)")
     if ids and all(isinstance(t, str) for t in ids):
         raise ValueError(f"one {what} is text or token ids, not a list of texts (a batch of "
                          f"prompts goes to generate(), or one add_request each)")
