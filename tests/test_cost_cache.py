@@ -24,7 +24,7 @@ from verispec.runtime import HFRunner
 
 ONE_ROW = CostModel(draft_step=0.05, verify=(1.0, 1.1, 1.2, 1.3, 1.4), target_step_s=0.01,
                     long_verify=(1.0, 1.2, 1.4, 1.6, 1.8), contexts=(128, 1024),
-                    long_draft_step=0.07, sampling_step=0.2)
+                    long_draft_step=0.07, long_step=1.3, sampling_step=0.2)
 BATCH = CostModel(draft_step=0.1, verify=(1.0, 1.5, 2.0, 2.5, 3.0), target_step_s=0.02)
 
 

@@ -206,6 +206,23 @@ def test_costs_are_priced_at_the_sequences_context():
     assert two.row_share(4).at(1024).verify == pytest.approx((1.0, 1.03, 1.06))
     with pytest.raises(ValueError, match="at a context"):
         two.tree(3)
+    # with the step's time at both contexts, each pass's time follows the context: here the
+    # step 1.5x as long after 1,024 tokens, passes over 2 and 3 positions 1.68 and 1.86 short
+    # steps, so at 1,920 tokens the step is 2.0 and they 2.34 and 2.68
+    timed = dataclasses.replace(two, long_step=1.5)
+    assert timed.at(128).verify == pytest.approx((1.0, 1.02, 1.04))
+    assert timed.at(1024).verify == pytest.approx((1.0, 1.12, 1.24))
+    assert timed.at(1920).verify == pytest.approx((1.0, 2.34 / 2.0, 2.68 / 2.0))
+    # a curve whose longer context came out cheaper (noise): its ratios' line reaches v = 1
+    # (every pass free) by 8,000 tokens; followed as times, a pass grows no slower than the
+    # step (0.5 short steps per 896 tokens here), so v(3) 1.6 at 128 is 5.99 / 5.39 there
+    noisy = CostModel(0.05, (1.0, 1.3, 1.6), 0.01, long_verify=(1.0, 1.1, 1.2),
+                      contexts=(128, 1024))
+    assert noisy.at(8000).verify == (1.0, 1.0, 1.0)
+    far = dataclasses.replace(noisy, long_step=1.5).at(8000).verify
+    weight = (8000 - 128) / 896
+    assert far == pytest.approx((1.0, (1.3 + 0.5 * weight) / (1 + 0.5 * weight),
+                                 (1.6 + 0.5 * weight) / (1 + 0.5 * weight)))
     # a long sequence drafts no deeper than a short one, and here less
     policy = Priced(two)
     for _ in range(20):
@@ -294,6 +311,9 @@ class TimedTarget:
     def __init__(self, clock: VirtualClock) -> None:
         self.clock, self.seen = clock, set()
 
+    def sibling(self) -> TimedTarget:
+        return TimedTarget(self.clock)
+
     def logits(self, history: torch.Tensor, n: int) -> torch.Tensor:
         context = int(history.numel()) - n
         if context in PASS_S:
@@ -339,9 +359,13 @@ def test_measure_costs_prices_what_the_passes_and_draft_steps_took(monkeypatch):
     assert measured.long_draft_step == pytest.approx(DRAFT_S[LONG] / long[0])
     assert measured.sampling_step == pytest.approx(SAMPLING_S / short[0])
     assert measured.draft_catch_up_s == pytest.approx(CATCH_UP_S)
-    # the prices in use: c and v(n) along the line between the two contexts
-    assert measured.at(48).draft_step == pytest.approx(0.5 * (0.2 + 0.25))
-    assert measured.at(48).verify[1] == pytest.approx(0.5 * (1.2 + 1.3))
+    assert measured.long_step == pytest.approx(long[0] / short[0])
+    # the prices in use: each pass's and the draft step's time along the line between the
+    # two contexts, over the one-token step's there
+    step = 0.5 * (short[0] + long[0])
+    assert measured.at(48).draft_step == pytest.approx(
+        0.5 * (DRAFT_S[SHORT] + DRAFT_S[LONG]) / step)
+    assert measured.at(48).verify[1] == pytest.approx(0.5 * (short[1] + long[1]) / step)
 
 
 def test_measure_costs_on_a_real_runtime(text_target):

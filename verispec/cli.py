@@ -199,6 +199,7 @@ def run_costs(args: argparse.Namespace) -> int:
               "draft_catch_up_ms_per_token": round(costs.draft_catch_up_s * 1e3, 3),
               "verify_v": [round(v, 3) for v in costs.verify],
               "verify_v_long": [round(v, 3) for v in costs.long_verify or ()],
+              "step_long": None if costs.long_step is None else round(costs.long_step, 3),
               "contexts": list(costs.contexts)}
     if args.max_batch > 1:
         report["batches"] = {size: {"draft_step_c": round(model.draft_step, 4),

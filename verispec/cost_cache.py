@@ -149,12 +149,13 @@ def from_json(data: dict) -> CostModel:
             raise ValueError("an empty verification curve")
         return values
 
-    optional = data.get("long_draft_step")
+    optional, long_step = data.get("long_draft_step"), data.get("long_step")
     return CostModel(draft_step=float(data["draft_step"]), verify=curve(data["verify"]),
                      target_step_s=float(data["target_step_s"]),
                      long_verify=curve(data.get("long_verify")),
                      contexts=tuple(int(c) for c in data.get("contexts", (128, 1024))),
                      long_draft_step=None if optional is None else float(optional),
+                     long_step=None if long_step is None else float(long_step),
                      sampling_step=float(data.get("sampling_step", 0.0)),
                      draft_catch_up_s=float(data.get("draft_catch_up_s", 0.0)))
 

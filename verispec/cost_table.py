@@ -71,10 +71,12 @@ class CostTable:
                                   context=CONTEXTS[0], long_context=CONTEXTS[1],
                                   repeats=REPEATS)
             log.info("cost model: draft step c=%.3f, verify v(1..%d)=%s (after %d tokens; "
-                     "after %d: %s, c=%s), target step %.1f ms, draft catch-up %.2f ms a token",
+                     "after %d: %s, c=%s, a step %sx), target step %.1f ms, draft catch-up "
+                     "%.2f ms a token",
                      costs.draft_step, len(costs.verify), _curve(costs.verify),
                      costs.contexts[0], costs.contexts[1], _curve(costs.long_verify) or "-",
                      "-" if costs.long_draft_step is None else f"{costs.long_draft_step:.3f}",
+                     "-" if costs.long_step is None else f"{costs.long_step:.2f}",
                      costs.target_step_s * 1e3, costs.draft_catch_up_s * 1e3)
             self._keep(1, costs)
         return self._models[1]

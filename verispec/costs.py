@@ -39,6 +39,10 @@ class CostModel:
     # c after the longer context (relative to a one-token target step there): a draft model
     # attends over the context too. None: c does not change with the context.
     long_draft_step: float | None = None
+    # A one-token step after the longer context, in steps after the shorter one (timed in
+    # alternation with them): with it `at` follows each pass's time along the context, not
+    # its ratio to a step. None: the ratios are followed (models measured without it).
+    long_step: float | None = None
     # What a sampled row pays per drafted token beyond a greedy one: the drafter warping and
     # drawing from its distribution, and verification warping the target's distribution at one
     # more position and the rejection step over it (`sampled`).
@@ -53,21 +57,44 @@ class CostModel:
         return tokens * self.draft_catch_up_s / self.target_step_s
 
     def at(self, context: int) -> CostModel:
-        """The prices for a sequence of `context` tokens: v(n) (and c, where timed at both)
-        along the line through the two measured contexts (beyond them too), v never below 1;
-        unchanged with one context. Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10 at
-        576."""
+        """The prices for a sequence of `context` tokens; unchanged with one context.
+
+        With `long_step`: each pass's time (and a draft step's, where timed at both) along the
+        line through its times at the two contexts, in short-context steps, then over the
+        one-token step's time there. A pass over n positions grows with the context no slower
+        than one over fewer (it attends over the same keys for more queries), and no pass
+        shrinks, so a noisy curve cannot make long passes look free, and v(n) tends to the
+        ratio of the passes' growth rather than growing without bound. Example: v(9) 2.0 at 128
+        and 2.5 at 1024, the step 1.3x as long there -> at 4096 the step 1 + 4.43 x 0.3 and the
+        pass 2.0 + 4.43 x 1.25 short steps: v(9) 7.54 / 2.33 = 3.2.
+
+        Without it (models measured before): v(n) (and c) along the line through the two
+        contexts' ratios, v never below 1. Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10
+        at 576."""
         if self.long_verify is None:
             return self
         short, long = self.contexts
         weight = (context - short) / (long - short)
-        verify = tuple(max(1.0, v + weight * (w - v))
-                       for v, w in zip(self.verify, self.long_verify, strict=True))
-        draft_step = self.draft_step
-        if self.long_draft_step is not None:
-            draft_step = max(0.0, draft_step + weight * (self.long_draft_step - draft_step))
+        if self.long_step is None:
+            verify = tuple(max(1.0, v + weight * (w - v))
+                           for v, w in zip(self.verify, self.long_verify, strict=True))
+            draft_step = self.draft_step
+            if self.long_draft_step is not None:
+                draft_step = max(0.0, draft_step + weight * (self.long_draft_step - draft_step))
+        else:
+            # 1. each pass's time in short-context steps, growing at least as a shorter pass's
+            growth, times = 0.0, []
+            for v, w in zip(self.verify, self.long_verify, strict=True):
+                growth = max(growth, w * self.long_step - v)
+                times.append(max(v + weight * growth, 1e-6))
+            # 2. over the one-token step's time at this context
+            verify = tuple(max(1.0, t / times[0]) for t in times)
+            draft_step = self.draft_step
+            if self.long_draft_step is not None:
+                draft_growth = max(0.0, self.long_draft_step * self.long_step - draft_step)
+                draft_step = max(0.0, draft_step + weight * draft_growth) / times[0]
         return dataclasses.replace(self, verify=verify, long_verify=None, draft_step=draft_step,
-                                   long_draft_step=None)
+                                   long_draft_step=None, long_step=None)
 
     def sampled(self) -> CostModel:
         """The prices a sampled row sees: each drafted token also costs sampling_step."""
@@ -198,11 +225,14 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
     vocab = min(target.vocab_size, 1000)
     extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
 
-    def pass_times(length: int) -> tuple[list[float], torch.Tensor]:
+    def prefilled(runner, length: int) -> torch.Tensor:
         history = torch.randint(0, vocab, (length,), generator=generator)
-        target.logits(history, 1)  # prefill, and warm up
-        return fastest([lambda n=n: target.logits(torch.cat([history, extra[:n]]), n)
-                        for n in range(1, k_max + 2)], repeats), history
+        runner.logits(history, 1)  # prefill, and warm up
+        return history
+
+    def passes(runner, history: torch.Tensor) -> list:
+        return [lambda n=n: runner.logits(torch.cat([history, extra[:n]]), n)
+                for n in range(1, k_max + 2)]
 
     def draft_time(history: torch.Tensor, params: SamplingParams | None = None) -> float:
         if drafter is None:
@@ -229,17 +259,28 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
             times.append(time.perf_counter() - start)
         return max(0.0, min(times) - draft_s) / int(history.numel())
 
-    long_verify = long_draft = None
+    long_verify = long_draft = long_step = None
     if context < long_context <= target.max_positions - k_max - 1:
-        long_s, long_history = pass_times(long_context)
-        long_verify = verify_curve(long_s)
+        # The passes after both contexts timed in alternation (a sibling holds the short
+        # history): what the longer context adds is a small difference of two times, and a
+        # machine that slowed down between two separate timings would pass for it.
+        long_history = prefilled(target, long_context)
+        short_runner = target.sibling()
+        history = prefilled(short_runner, context)
+        times = fastest(passes(short_runner, history) + passes(target, long_history), repeats)
+        pass_s, long_s = times[:k_max + 1], times[k_max + 1:]
+        long_verify, long_step = verify_curve(long_s), long_s[0] / pass_s[0]
         long_draft = draft_time(long_history) / long_s[0]
-    pass_s, history = pass_times(context)
+        target.logits(history, 1)  # the target holds the short history for the draft timings
+    else:
+        history = prefilled(target, context)
+        pass_s = fastest(passes(target, history), repeats)
     draft_s = draft_time(history)
     sampled_s = max(0.0, draft_time(history, SamplingParams(temperature=1.0)) - draft_s)
     return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
                      target_step_s=pass_s[0], long_verify=long_verify,
                      contexts=(context, long_context), long_draft_step=long_draft,
+                     long_step=long_step,
                      sampling_step=(sampled_s + sampled_verify_time(
                          target.vocab_size, repeats)) / pass_s[0],
                      draft_catch_up_s=catch_up_time(history))
