@@ -63,10 +63,11 @@ class CostModel:
         line through its times at the two contexts, in short-context steps, then over the
         one-token step's time there. A pass over n positions grows with the context no slower
         than one over fewer (it attends over the same keys for more queries), and no pass
-        shrinks, so a noisy curve cannot make long passes look free, and v(n) tends to the
-        ratio of the passes' growth rather than growing without bound. Example: v(9) 2.0 at 128
-        and 2.5 at 1024, the step 1.3x as long there -> at 4096 the step 1 + 4.43 x 0.3 and the
-        pass 2.0 + 4.43 x 1.25 short steps: v(9) 7.54 / 2.33 = 3.2.
+        shrinks, so a curve whose longer context came out a little cheaper (noise) never
+        brings a pass down to v = 1, as the ratios' line did by a few thousand tokens, and v(n)
+        tends to the ratio of the passes' growth rather than growing without bound. Example:
+        v(9) 2.0 at 128 and 2.5 at 1024, the step 1.3x as long there -> at 4096 the step
+        1 + 4.43 x 0.3 and the pass 2.0 + 4.43 x 1.25 short steps: v(9) 7.54 / 2.33 = 3.2.
 
         Without it (models measured before): v(n) (and c) along the line through the two
         contexts' ratios, v never below 1. Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10
