@@ -223,12 +223,12 @@ class Engine:
         request.stats.record_round(verified.drafted, verified.accepted, len(new_ids))
         text, start = request.text, len(request.text.ids)
         piece = text.add(new_ids)
-        kept = text.ids[start: text.num_tokens] if text.stopped else new_ids
-        if request.prediction is not None:  # the round's tokens the output keeps
-            request.prediction.record(kept)
-            request.stats.accepted_prediction_tokens = request.prediction.copied
+        if request.prediction is not None:  # copies of it among the tokens the output keeps
+            request.prediction.record(new_ids)
+            request.stats.accepted_prediction_tokens = request.prediction.copied_before(
+                text.num_tokens) if text.stopped else request.prediction.copied
         if text.stopped:
-            new_ids = kept
+            new_ids = text.ids[start: text.num_tokens]  # the round's tokens the output keeps
         elif not request.finished:
             return Event(request.request_id, piece, new_ids)
         else:

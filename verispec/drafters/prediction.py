@@ -85,12 +85,19 @@ class PredictionLookup:
         self.cursor = 0  # the prediction position the output last continued from
         # where the output goes on in the prediction at this round's start (None: nowhere)
         self.continued: int | None = None
-        self.used: set[int] = set()  # the prediction positions the output copied
+        self.written = 0  # output tokens recorded so far
+        # the prediction positions the output copied, each with the output index of its copy
+        self.copies: dict[int, int] = {}
 
     @property
     def copied(self) -> int:
         """How many of the prediction's tokens the output has copied so far."""
-        return len(self.used)
+        return len(self.copies)
+
+    def copied_before(self, length: int) -> int:
+        """How many of them the output's first `length` tokens copied (an output cut at a stop
+        string keeps fewer tokens than its rounds wrote)."""
+        return sum(1 for at in self.copies.values() if at < length)
 
     def propose(self, history: torch.Tensor, k: int) -> Draft:
         """Up to k tokens that follow, in the prediction, the output's longest matching recent
@@ -111,14 +118,16 @@ class PredictionLookup:
 
     def record(self, tokens: list[int]) -> None:
         """A round wrote `tokens` after the history its proposal was made for: those that equal
-        the prediction from where the output went on (`continued`) are copies of it."""
+        the prediction from where the output went on (`continued`) are copies of it. Every
+        round is recorded, so that each copy's place in the output is known."""
+        first, self.written = self.written, self.written + len(tokens)
         if self.continued is None:
             return
         ahead = self.prediction_ids[self.continued: self.continued + len(tokens)].tolist()
         for offset, (token, predicted) in enumerate(zip(tokens, ahead, strict=False)):
             if token != predicted:
                 break
-            self.used.add(self.continued + offset)
+            self.copies.setdefault(self.continued + offset, first + offset)
         self.continued = None  # a round is recorded once, against its own proposal
 
     def _continuation(self, output: torch.Tensor) -> tuple[int | None, int]:
