@@ -172,11 +172,14 @@ def test_an_unmeasured_batch_size_is_priced_by_an_estimate(runner, model_file, m
 
 def test_scaling_to_more_rows_follows_the_token_count():
     """The docstring's example: v(1..5) = 1.0 .. 1.4, four times the rows -> v'(2) = v(8) /
-    v(4) = 1.7 / 1.3; the long curve alike; the unit grows by v(4)."""
+    v(4) = 1.7 / 1.3; the long curve alike; the unit grows by v(4), and with the context as
+    a pass over 4 positions does."""
     scaled = ONE_ROW.scaled(4)
     assert scaled.verify[1] == pytest.approx(1.7 / 1.3)
     assert scaled.long_verify[1] == pytest.approx(2.4 / 1.6)
     assert scaled.target_step_s == pytest.approx(0.01 * 1.3)
+    # the unit is a pass over 4 positions: it grows with the context as that pass does
+    assert scaled.long_step == pytest.approx(1.3 * 1.6 / 1.3)
     assert scaled.draft_step == ONE_ROW.draft_step and scaled.verify[0] == 1.0
     assert ONE_ROW.scaled(1) == ONE_ROW
     flat = CostModel(0.0, (1.0, 1.0, 1.0), 0.01)  # free extra positions stay free

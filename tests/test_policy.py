@@ -10,7 +10,7 @@ from conftest import EOS_ID, perturbed_copy
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.config import DecodeConfig, parse_k
-from verispec.costs import CostModel, measure_costs, verify_curve
+from verispec.costs import CostModel, measure_batch_costs, measure_costs, verify_curve
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.policy import AcceptanceEstimate, AdaptiveK, FixedK, HeuristicK
 from verispec.runtime import HFRunner
@@ -366,6 +366,49 @@ def test_measure_costs_prices_what_the_passes_and_draft_steps_took(monkeypatch):
     assert measured.at(48).draft_step == pytest.approx(
         0.5 * (DRAFT_S[SHORT] + DRAFT_S[LONG]) / step)
     assert measured.at(48).verify[1] == pytest.approx(0.5 * (short[1] + long[1]) / step)
+
+
+class DriftingTarget(TimedTarget):
+    """A TimedTarget on a machine that slows down as it goes: every pass after the first
+    `steady` takes twice its time, and each pass it times is noted by its context."""
+
+    def __init__(self, clock: VirtualClock, timed: list[int], steady: int) -> None:
+        super().__init__(clock)
+        self.timed, self.steady = timed, steady
+
+    def sibling(self) -> DriftingTarget:
+        return DriftingTarget(self.clock, self.timed, self.steady)
+
+    def logits(self, history: torch.Tensor, n: int, parents=None) -> torch.Tensor:
+        context = int(history.numel()) - n
+        if context in PASS_S and (context, n) in self.seen:
+            self.timed.append(context)
+            if len(self.timed) > self.steady:  # the slower machine
+                self.clock.now += PASS_S[context][n - 1]
+        return super().logits(history, n)
+
+
+def test_batch_costs_time_both_contexts_in_alternation(monkeypatch):
+    """A batch's passes after both contexts are timed in alternation, as a lone row's: a
+    machine that slows down half-way through the measurement slows both alike, so the step's
+    growth with the context (`long_step`) and both curves come out as the passes took; timed
+    one context after the other, the long context would have looked twice as dear."""
+    clock, timed = VirtualClock(), []
+    monkeypatch.setattr("verispec.costs.time", clock)
+    rows, k_max, repeats = 2, 4, 4
+    target = DriftingTarget(clock, timed, steady=rows * 2 * (k_max + 1) * repeats // 2)
+    measured = measure_batch_costs(target, None, batch=rows, k_max=k_max, context=SHORT,
+                                   repeats=repeats, long_context=LONG)
+    short, long = PASS_S[SHORT], PASS_S[LONG]
+    assert measured.long_step == pytest.approx(long[0] / short[0])
+    assert measured.long_verify == pytest.approx(tuple(s / long[0] for s in long))
+    assert measured.verify == pytest.approx((1.0, 1.2, 1.5, 1.5, 1.8))
+    assert measured.target_step_s == pytest.approx(rows * short[0])  # each row's pass, here
+    # alternated: both contexts timed in the first and in the last round
+    first, last = timed[:len(timed) // repeats], timed[-len(timed) // repeats:]
+    assert set(first) == set(last) == {SHORT, LONG}
+    at = measured.at((SHORT + LONG) // 2)  # priced by time: each pass along the context
+    assert at.verify[1] == pytest.approx((short[1] + long[1]) / (short[0] + long[0]))
 
 
 def test_measure_costs_on_a_real_runtime(text_target):

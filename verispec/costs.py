@@ -126,8 +126,9 @@ class CostModel:
         v(factor), at both contexts. Past the measured positions v goes on along the mean step
         of the curve's upper half (its last step alone may be flattened by noise and by the
         curve being made monotone). c and a sampled row's extra are kept (a draft step grows
-        with the rows much as a target step does). Example: v(1..5) = 1.0, 1.1, 1.2, 1.3,
-        1.4, factor 4 -> v'(2) = v(8) / v(4) = 1.7 / 1.3 = 1.31."""
+        with the rows much as a target step does); the step's growth with the context
+        (`long_step`) becomes a pass over `factor` positions' growth. Example: v(1..5) = 1.0,
+        1.1, 1.2, 1.3, 1.4, factor 4 -> v'(2) = v(8) / v(4) = 1.7 / 1.3 = 1.31."""
         if factor < 1:
             raise ValueError(f"a cost model scales up to more rows, not by {factor}")
 
@@ -141,10 +142,16 @@ class CostModel:
             v = extended(curve)
             return tuple(max(1.0, v(factor * n) / v(factor)) for n in range(1, len(curve) + 1))
 
+        long_step = self.long_step
+        if long_step is not None and self.long_verify is not None:
+            # the unit becomes a pass over `factor` positions at each context: its growth
+            # with the context is that pass's, not a one-position step's
+            long_step *= extended(self.long_verify)(factor) / extended(self.verify)(factor)
         return dataclasses.replace(
             self, verify=grown(self.verify),
             target_step_s=self.target_step_s * extended(self.verify)(factor),
-            long_verify=None if self.long_verify is None else grown(self.long_verify))
+            long_verify=None if self.long_verify is None else grown(self.long_verify),
+            long_step=long_step)
 
     def tree(self, width: int, max_nodes: int = MAX_TREE_NODES,
              nodes: float | None = None) -> CostModel:
@@ -314,10 +321,12 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
                         greedy_trees: bool = False, interrupt: Interrupt = None) -> CostModel:
     """The cost model of a batch of `batch` sequences, in units of one plain batched step
     (every row one position): v(n) times a pass where every row has n positions, c one draft
-    step for every row. `target` is a runner (its siblings hold the rows), `drafter` any
-    Drafter (its forks draft the rows) or None. greedy_trees: whether greedy rows draft token
-    trees at this batch size (as `propose_batch` takes it): c is timed drafting the same way
-    (a tree's first step costs ~1.35x a chain's at batch 4 and 16). interrupt: asked between
+    step for every row; the passes after both contexts timed in alternation as
+    `measure_costs` times them (`long_step`: the batch step's growth). `target` is a runner
+    (its siblings hold the rows), `drafter` any Drafter (its forks draft the rows) or None.
+    greedy_trees: whether greedy rows draft token trees at this batch size (as
+    `propose_batch` takes it): c is timed drafting the same way (a tree's first step costs
+    ~1.35x a chain's at batch 4 and 16). interrupt: asked between
     any two passes (each row's prefill goes in chunks of PREFILL_CHUNK tokens), so that
     whoever measures while a server idles is back within one pass when a request arrives
     (MeasurementInterrupted)."""
@@ -326,22 +335,36 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
     runners = [target.sibling() for _ in range(batch)]
     extra = torch.randint(0, vocab, (k_max + 1,), generator=generator)
 
-    def pass_times(length: int) -> tuple[list[float], list[torch.Tensor]]:
-        histories = [torch.randint(0, vocab, (length,), generator=generator) for _ in runners]
-        for runner, history in zip(runners, histories, strict=True):  # prefill
+    def prefilled(rows: list, length: int) -> list[torch.Tensor]:
+        histories = [torch.randint(0, vocab, (length,), generator=generator) for _ in rows]
+        for runner, history in zip(rows, histories, strict=True):
             for end in range(PREFILL_CHUNK, length + PREFILL_CHUNK, PREFILL_CHUNK):
                 check(interrupt)
                 runner.logits(history[:min(end, length)], 1)
         check(interrupt)
-        batched_logits(runners, histories, [1] * batch)  # warm up (each row's last position)
-        return fastest([lambda n=n: batched_logits(
-            runners, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
-            for n in range(1, k_max + 2)], repeats, interrupt), histories
+        batched_logits(rows, histories, [1] * batch)  # warm up (each row's last position)
+        return histories
 
-    long_verify = None
+    def passes(rows: list, histories: list[torch.Tensor]) -> list:
+        return [lambda n=n: batched_logits(
+            rows, [torch.cat([h, extra[:n]]) for h in histories], [n] * batch)
+            for n in range(1, k_max + 2)]
+
+    long_verify = long_step = None
     if context < long_context <= target.max_positions - k_max - 1:
-        long_verify = verify_curve(pass_times(long_context)[0])
-    pass_s, histories = pass_times(context)
+        # As `measure_costs`: the passes after both contexts in alternation (a second set of
+        # rows holds the long histories), and the step's growth kept (`CostModel.at`).
+        long_rows = [target.sibling() for _ in range(batch)]
+        long_histories = prefilled(long_rows, long_context)
+        histories = prefilled(runners, context)
+        times = fastest(passes(runners, histories) + passes(long_rows, long_histories),
+                        repeats, interrupt)
+        pass_s, long_s = times[:k_max + 1], times[k_max + 1:]
+        long_verify, long_step = verify_curve(long_s), long_s[0] / pass_s[0]
+        del long_rows, long_histories  # their caches go before the draft's are filled
+    else:
+        histories = prefilled(runners, context)
+        pass_s = fastest(passes(runners, histories), repeats, interrupt)
     draft_s = 0.0
     if drafter is not None:
         drafters = [drafter.fork() for _ in runners]
@@ -371,5 +394,5 @@ def measure_batch_costs(target, drafter, batch: int, k_max: int = 8, context: in
         draft_s = fastest([draft_step, roll_back], repeats, interrupt)[0]
     return CostModel(draft_step=draft_s / pass_s[0], verify=verify_curve(pass_s),
                      target_step_s=pass_s[0], long_verify=long_verify,
-                     contexts=(context, long_context))
+                     contexts=(context, long_context), long_step=long_step)
 
