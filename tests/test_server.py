@@ -260,6 +260,9 @@ def test_models_health_and_metrics(client, url):
                  "verispec_idle_cache_bytes"):
         assert name in text, name
     assert 'verispec_requests_total{path="/v1/completions",status="200"}' in text
+    # a model asked about by id is counted under its route, found or not
+    assert 'verispec_requests_total{path="/v1/models/{id}",status="200"}' in text
+    assert 'verispec_requests_total{path="/v1/models/{id}",status="404"}' in text
     assert metric(url, "verispec_time_to_first_token_seconds_count") >= 1
 
 

@@ -19,6 +19,7 @@ from verispec.server.guards import CLIENT_CLOSED, CLIENT_LEFT
 
 PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                    "/metrics"})
+MODEL_PATH = "/v1/models/{id}"  # one label for every model id asked about (bounded labels)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
@@ -164,5 +165,13 @@ class CountRequests:
         finally:
             if scope.get(CLIENT_LEFT):
                 status = CLIENT_CLOSED
-            path = scope["path"] if scope["path"] in PATHS else "other"
+            path = route_label(scope["path"])
             self.metrics.requests.labels(path, str(status)).inc()
+
+
+def route_label(path: str) -> str:
+    """A request path as /metrics labels it: a route's own path, the model route's template
+    for /v1/models/<any id>, else "other" (so that clients cannot grow the label set)."""
+    if path in PATHS or path.rstrip("/") in PATHS:
+        return path.rstrip("/") or path
+    return MODEL_PATH if path.startswith("/v1/models/") else "other"
