@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_gpt2
+from conftest import EOS_ID, tiny_gpt2, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.config import EngineConfig
-from verispec.drafters import NgramDrafter
+from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.drafters.load import load_drafter
 from verispec.errors import IncompatibleDraftError, ModelNotFoundError
 
@@ -40,9 +40,46 @@ def test_stop_string_cuts_text_and_tokens(decoder, tokenizer):
     assert full.token_ids[: len(stopped.token_ids)] == stopped.token_ids
     assert stop in tokenizer.decode(stopped.token_ids)  # the ids reach the stop string ...
     assert stop not in tokenizer.decode(stopped.token_ids[:-1])  # ... and not one id further
+    assert stopped.stats.new_tokens == len(stopped.token_ids) < full.stats.new_tokens
     streamed = list(decoder.stream("abcabcabc", SamplingParams(max_new_tokens=60,
                                                                 ignore_eos=True, stop=(stop,))))
     assert "".join(c.text for c in streamed) == stopped.text
+
+
+def test_stats_count_the_tokens_the_output_keeps_at_a_stop_string(decoder):
+    """A round that writes a stop string and tokens after it: the stats count the output's
+    tokens (as usage does), not those the round wrote past the stop, at every stop place."""
+    full = decoder.generate("abcabcabc", SamplingParams(max_new_tokens=60, ignore_eos=True))
+    overshot = 0
+    for cut in range(2, 40, 3):
+        stop = full.text[cut:cut + 2]
+        out = decoder.generate("abcabcabc", SamplingParams(max_new_tokens=60, ignore_eos=True,
+                                                           stop=(stop,)))
+        assert out.stats.new_tokens == len(out.token_ids)
+        assert out.stats.tokens_per_forward == len(out.token_ids) / out.stats.target_forwards
+        overshot += out.stats.target_forwards < len(out.token_ids)  # rounds of several tokens
+    assert overshot  # the case in question was met
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_a_draft_gone_nan_leaves_the_output_the_targets(text_target, tokenizer, k):
+    """A draft model whose weights are NaN (a distillation that diverged) cannot be drawn
+    from: it proposes nothing, and greedy and seeded sampled output are plain decoding's,
+    with K fixed or auto (whose cost model times a sampled draft step), on both runtimes."""
+    target = text_target.float()
+    broken = tiny_llama(EOS_ID + 1, seed=1).float()
+    with torch.no_grad():
+        for weight in broken.parameters():
+            weight.fill_(float("nan"))
+    for runtime in ("native", "hf"):
+        plain = SpeculativeDecoder(target, tokenizer, None, runtime=runtime)
+        spec = SpeculativeDecoder(target, tokenizer, ModelDrafter(broken, EOS_ID + 1), k=k,
+                                  runtime=runtime)
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                    temperature=temperature, seed=3)
+            assert spec.generate("hello", params).token_ids == \
+                plain.generate("hello", params).token_ids
 
 
 def test_finish_reasons(decoder):

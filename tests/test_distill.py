@@ -4,6 +4,7 @@ small draft folder that loads and drafts losslessly, and the guards around it.""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -293,10 +294,25 @@ def test_the_command_line_of_a_config_parses_back_to_that_config(tmp_path):
 def test_config_validates_itself(tmp_path):
     bad = [{"num_prompts": 0}, {"self_prompts": 10_000}, {"temperature": 0.0},
            {"greedy_fraction": 1.5}, {"lr": -1.0}, {"layers": 0}, {"device": "tpu"},
-           {"train_shards": 0}, {"train_batch": True}]
+           {"train_shards": 0}, {"train_batch": True},
+           # infinite rates and weights train every weight to NaN
+           {"lr": math.inf}, {"lr": math.nan}, {"tv_weight": math.inf},
+           {"temperature": math.inf}]
     for fields in bad:
         with pytest.raises(ValueError):
             DistillConfig(out=tmp_path, **fields)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a run")
+    with pytest.raises(ValueError, match="is a file"):
+        DistillConfig(out=a_file)
+    # settings that depend on the target: checked against it before any data is written
+    config = DistillConfig(out=tmp_path, topk=100, head_vocab=512, layers=3)
+    config.check_target(vocab_size=1000, num_layers=4)
+    for fields, match in [({"topk": 2000}, "topk"), ({"head_vocab": 5000}, "head_vocab"),
+                          ({"layers": 5}, "layers"),
+                          ({"kind": "feature", "feature_taps": (4,)}, "feature_taps")]:
+        with pytest.raises(ValueError, match=match):
+            replace(config, **fields).check_target(vocab_size=1000, num_layers=4)
 
 
 def test_cli_distill_runs_and_reports_errors(target_folder, tmp_path, capsys):
@@ -311,6 +327,14 @@ def test_cli_distill_runs_and_reports_errors(target_folder, tmp_path, capsys):
     assert main([*common, "--resume", "--max-new-tokens", "9"]) == 2  # data settings changed
     assert "max_new_tokens" in capsys.readouterr().err
     assert main([*common[:-2], "--steps", "0"]) == 2
+    # refused before any data is written: nothing appears in the new folder
+    fresh = tmp_path / "fresh"
+    fresh_args = [*common[:4], str(fresh), *common[5:]]
+    for extra in (["--topk", "100000000"], ["--lr", "inf"], ["--resume"]):
+        capsys.readouterr()
+        assert main([*fresh_args, *extra]) == 2
+        assert "error: " in capsys.readouterr().err
+        assert not fresh.exists() or not any(fresh.rglob("*.safetensors"))
 
 
 def test_builtin_prompts_hold_no_benchmark_question():

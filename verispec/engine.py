@@ -229,6 +229,7 @@ class Engine:
                 text.num_tokens) if text.stopped else request.prediction.copied
         if text.stopped:
             new_ids = text.ids[start: text.num_tokens]  # the round's tokens the output keeps
+            request.stats.new_tokens = text.num_tokens  # counted as the output keeps them
         elif not request.finished:
             return Event(request.request_id, piece, new_ids)
         else:

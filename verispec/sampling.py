@@ -11,6 +11,8 @@ position depends on (seed, position, probabilities) alone).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -58,6 +60,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         choice = np.asarray(np.argmax(logits.numpy(force=True), axis=-1), dtype=np.int64)
         return torch.from_numpy(choice)
     return logits.max(dim=-1).indices
+
+
+def has_mass(probs: torch.Tensor) -> bool:
+    """Whether probs [..., V] can be drawn from: a finite, positive total (a draft whose weights
+    went to NaN gives NaN; `sample` refuses it). A drafter whose distribution cannot be drawn
+    from proposes nothing more: verification is exact for any draft, so the target's output
+    is unchanged."""
+    total = float(probs.sum())
+    return math.isfinite(total) and total > 0.0
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -71,14 +72,16 @@ class DistillConfig:
         if not 0 <= self.self_prompts <= self.num_prompts:
             raise ValueError(f"self_prompts must be in [0, num_prompts={self.num_prompts}], "
                              f"got {self.self_prompts}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not 0 <= self.greedy_fraction <= 1:
             raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}")
-        if not self.tv_weight >= 0:
-            raise ValueError(f"tv_weight must be >= 0, got {self.tv_weight}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.tv_weight < math.inf:
+            raise ValueError(f"tv_weight must be a finite number >= 0, got {self.tv_weight}")
+        if not 0 < self.lr < math.inf:  # an infinite rate trains every weight to NaN
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"out must be a run folder; {self.out} is a file")
         if self.kind not in ("layers", "feature"):
             raise ValueError(f"kind must be 'layers' or 'feature', got {self.kind!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 1
@@ -100,6 +103,22 @@ class DistillConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def check_target(self, vocab_size: int, num_layers: int) -> None:
+        """The settings that depend on the target, checked once it is loaded and before any
+        data is written: top-k, the head's vocabulary, a layers draft's depth, the taps."""
+        if self.topk > vocab_size:
+            raise ValueError(f"topk must be at most the target's vocabulary ({vocab_size}), "
+                             f"got {self.topk}")
+        if self.head_vocab > vocab_size:
+            raise ValueError(f"head_vocab must be at most the target's vocabulary "
+                             f"({vocab_size}), got {self.head_vocab}")
+        if self.kind == "layers" and self.layers > num_layers:
+            raise ValueError(f"layers must be at most the target's {num_layers}, got "
+                             f"{self.layers}")
+        if any(t >= num_layers for t in self.feature_taps):
+            raise ValueError(f"feature_taps must lie inside the target's {num_layers} layers, "
+                             f"got {self.feature_taps}")
 
     def data_manifest(self) -> dict:
         """The fields that decide the data, as JSON-ready values."""

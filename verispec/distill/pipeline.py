@@ -46,7 +46,7 @@ from verispec.distill.feature_head import (
     target_features,
     train_feature_head,
 )
-from verispec.distill.lm_draft import init_draft
+from verispec.distill.lm_draft import draft_config, init_draft
 from verispec.distill.train import (
     TrainReport,
     TrainSettings,
@@ -97,6 +97,11 @@ def _run(config: DistillConfig) -> DistillResult:
     model, tokenizer = loading.load(config.target, device=str(config.torch_device))
     if tokenizer is None:
         raise ValueError("distillation needs the target's tokenizer; this target has none")
+    # what depends on the target, before any data is written
+    config.check_target(int(model.get_input_embeddings().weight.shape[0]),
+                        model.config.num_hidden_layers)
+    if config.kind == "layers":
+        draft_config(model, config.layers)  # a Llama-family target
     teacher = Teacher(model, tokenizer, config.chat)
     # 1-2. Prompts, then the data shards (the first, held-out shard holds the eval prompts).
     prompts = build_prompts(teacher, config, data / "prompts.json")
@@ -237,6 +242,9 @@ def _prepare_run_folder(config: DistillConfig) -> None:
     if not config.resume and out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: pass --resume to continue that run, or choose "
                          "another --out")
+    if config.resume and not manifest_path.is_file():
+        raise ValueError(f"nothing to resume in {out}: no run was started there (leave out "
+                         "--resume to start one)")
     if manifest_path.is_file():
         saved = json.loads(manifest_path.read_text())
         changed = sorted(k for k in manifest if saved.get(k) != manifest[k])

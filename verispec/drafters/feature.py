@@ -38,7 +38,7 @@ from verispec.runtime.native.gguf_model import GGUFLlama
 from verispec.runtime.native.layers import LayerWeights, Linear
 from verispec.runtime.native.llama import NativeLlama, RowPass
 from verispec.runtime.native.shape import LlamaShape
-from verispec.sampling import draw, greedy_tokens, sample_distinct, warp
+from verispec.sampling import draw, greedy_tokens, has_mass, sample_distinct, warp
 
 
 class FeatureDrafter:
@@ -180,6 +180,7 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
         if not rows:
             return drafts
     positions = {i: int(histories[i].numel()) - 2 for i in rows}
+    ks = list(ks)  # a row's chain may stop early (below)
     tokens: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     for step in range(max(ks[i] for i in rows)):
@@ -191,6 +192,9 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
                 row_logits = fit_vocab(head_logits, drafters[i].vocab_size,
                                        drafters[i].head_token_ids)  # [1, V]
                 draft_probs = warp(row_logits, params[i])  # [1, V]
+                if not has_mass(draft_probs):  # nothing to draw from (a draft gone NaN)
+                    ks[i] = step
+                    continue
                 token = draw(draft_probs, params[i], generators[i],
                              int(histories[i].numel()) + step).cpu()
                 probs[i].append(draft_probs[0])
@@ -207,7 +211,8 @@ def propose_features_together(drafters: list[FeatureDrafter], histories: list[to
             positions[i] = position + 1
         logits = model.step_rows(passes)
     for i, row_tokens in tokens.items():
-        drafts[i] = Draft(torch.cat(row_tokens), torch.stack(probs[i]) if probs[i] else None)
+        if row_tokens:
+            drafts[i] = Draft(torch.cat(row_tokens), torch.stack(probs[i]) if probs[i] else None)
     return drafts
 
 
@@ -325,6 +330,8 @@ class _Tree:
         self.frontier = []
         for row, node in enumerate(nodes):  # [n, V]
             count = self.width if node < 0 else 1
+            if not has_mass(draft_probs[row]):  # nothing to draw from: no children
+                continue
             drawn = sample_distinct(draft_probs[row], count, self.generator)
             for token in drawn:
                 self.frontier.append(len(self.tokens))

@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 from verispec.drafters.drafter import ChainCut, Draft, empty_draft
 from verispec.params import SamplingParams
 from verispec.runtime import HFRunner, Runner, batched_logits, common_prefix
-from verispec.sampling import draw, greedy_tokens, warp
+from verispec.sampling import draw, greedy_tokens, has_mass, warp
 
 
 class ModelDrafter:
@@ -194,6 +194,9 @@ def propose_together(drafters: list[ModelDrafter], histories: list[torch.Tensor]
                         ks[i] = step + 1
             else:
                 draft_probs = warp(drafters[i]._fit_vocab(row_logits), params[i])  # [1, V]
+                if not has_mass(draft_probs):  # nothing to draw from (a draft gone NaN)
+                    ks[i] = step
+                    continue
                 token = draw(draft_probs, params[i], generators[i],
                              int(sequences[i].numel())).cpu()
                 probs[i].append(draft_probs[0])
