@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -134,6 +135,24 @@ def test_spec_bench_jsonl_sampling(tmp_path):
     path.write_text('{"question_id": 1}\n')
     with pytest.raises(ValueError, match="not a Spec-Bench question"):
         load_jsonl(path, 1, 0)
+    # every odd line is refused naming its line, none silently misread
+    good = '{"question_id": 1, "category": "a", "turns": ["hello"]}'
+    for line, match in [("[1, 2, 3]", "object"), ('"just a string"', "object"),
+                        ('{"question_id": 2, "category": "a", "turns": "Hello"}', "list"),
+                        ('{"question_id": 2, "category": "a", "turns": [{"role": "user"}]}',
+                         "list"),
+                        ('{"question_id": 2, "category": "a", "turns": [" "]}', "empty"),
+                        ('{"question_id": 2, "category": "a", "turns": ["x"], '
+                         '"prediction": 5}', "prediction")]:
+        path.write_text(f"{good}\n\n{line}\n")
+        with pytest.raises(ValueError, match=f"q.jsonl:3: not a Spec-Bench question.*{match}"):
+            load_jsonl(path, 1, 0)
+    path.write_bytes(good.encode() + b'\n{"question_id": 2, "category": "a", "turns": ["\xe9"]}\n')
+    with pytest.raises(ValueError, match="q.jsonl:2: not UTF-8"):
+        load_jsonl(path, 1, 0)
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match="no questions"):
+        load_jsonl(path, 1, 0)
 
 
 def test_builtin_prompts_cover_categories():
@@ -142,10 +161,34 @@ def test_builtin_prompts_cover_categories():
 
 
 @pytest.mark.parametrize("bad", [dict(methods=("nope",)), dict(ks=("fast",)),
-                                 dict(max_new_tokens=0), dict(prompts="/no/such/file")])
+                                 dict(max_new_tokens=0), dict(prompts="/no/such/file"),
+                                 dict(methods=("baseline", "ngram", "baseline")),
+                                 dict(temperature=math.nan), dict(temperature=math.inf),
+                                 dict(seed=-5), dict(hf_ngram_tokens=-1)])
 def test_bad_bench_config(bad):
     with pytest.raises(ValueError):
         BenchConfig(**bad)
+
+
+def test_bench_refuses_what_it_can_before_loading_a_model(tmp_path, monkeypatch):
+    """An output folder it cannot write and a bad prompt file are refused before any model
+    loads (not after the whole run, which then lost its results)."""
+    import verispec.bench.harness as harness
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(harness.loading, "load", no_load)
+    a_file = tmp_path / "results.jsonl"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        BenchConfig(out=a_file)
+    with pytest.raises(ValueError, match="cannot write the results"):
+        run_bench(BenchConfig(out=a_file / "inside"), progress=False)
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text('{"question_id": 1, "category": "a", "turns": "Hello"}\n')
+    with pytest.raises(ValueError, match="not a Spec-Bench question"):
+        run_bench(BenchConfig(prompts=prompts, out=tmp_path / "out"), progress=False)
 
 
 def test_hf_methods_really_ignore_eos(text_target, tokenizer):
@@ -174,7 +217,7 @@ def test_hf_methods_really_ignore_eos(text_target, tokenizer):
 def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, tmp_path, queue):
     config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"),
                                              draft=str(model_folders / "draft"), runtime="native"),
-                         methods=("baseline", "ngram", "draft", "hf-baseline"), limit=5,
+                         methods=("ngram", "baseline", "draft", "hf-baseline"), limit=5,
                          max_new_tokens=10, ks=(2,), batch_sizes=(1, 2, 4), out=tmp_path / "b",
                          batch_queue=queue)
     results = run_bench(config, progress=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,9 @@ class BenchConfig:
             raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
         if not self.methods:
             raise ValueError("no methods to run")
+        repeated = sorted({m for m in self.methods if self.methods.count(m) > 1})
+        if repeated:
+            raise ValueError(f"methods listed more than once: {', '.join(repeated)}")
         object.__setattr__(self, "ks", tuple(parse_k(k) for k in self.ks))
         bad = [v for v in self.verifies if v not in VERIFY_METHODS]
         if bad or not self.verifies:
@@ -64,8 +68,13 @@ class BenchConfig:
             raise ValueError("per_category and limit must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.hf_ngram_tokens, int) or self.hf_ngram_tokens < 1:
+            raise ValueError(f"hf_ngram_tokens must be an integer >= 1, got "
+                             f"{self.hf_ngram_tokens!r}")
         if any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers >= 1, got {self.batch_sizes}")
         if not isinstance(self.batch_queue, int) or self.batch_queue < 1:
@@ -76,3 +85,6 @@ class BenchConfig:
             object.__setattr__(self, "prompts", prompts_path(self.prompts))
         if self.prompts is not None and not Path(self.prompts).is_file():
             raise ValueError(f"prompts file not found: {self.prompts}")
+        object.__setattr__(self, "out", Path(self.out))
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"out must be a folder; {self.out} is a file")

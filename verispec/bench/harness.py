@@ -34,6 +34,14 @@ log = logging.getLogger("verispec")
 
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Measure, write results.json / report.md / plots into config.out, return the results."""
+    # 0. What can be refused is refused before any model loads: the output folder, and every
+    #    line of the prompt file.
+    try:
+        config.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot write the results to {config.out}: {err.strerror}") from None
+    prompts = (load_jsonl(config.prompts, config.per_category, config.seed, config.limit)
+               if config.prompts else builtin_prompts(config.per_category, config.limit))
     # 1. Models, loaded once and shared by every method.
     engine = config.engine
     dense = engine.runtime == "hf" or engine.int8 or any(m.startswith("hf-")
@@ -72,9 +80,11 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                                    head_token_ids, encoder.eos_ids)
 
     # 2. Prompts, encoded once with the chat template.
-    prompts = (load_jsonl(config.prompts, config.per_category, config.seed, config.limit)
-               if config.prompts else builtin_prompts(config.per_category, config.limit))
     prompt_ids = [encoder.encode(p.text, chat=True).tolist() for p in prompts]
+    predicting = [m.name for m in methods if getattr(m, "takes_prediction", False)]
+    if predicting and all(p.prediction is None for p in prompts):
+        notes.append(f"{', '.join(predicting)}: these prompts bring no prediction, so "
+                     f"{'it runs' if len(predicting) == 1 else 'they run'} without one")
 
     if config.batch_sizes:
         return _run_batched(config, methods, notes, prompt_ids, model, runners)
@@ -123,7 +133,9 @@ def _run_batched(config: BenchConfig, methods, notes, prompt_ids, model, runners
     if skipped:
         notes.append(f"{', '.join(skipped)} skipped: the batched benchmark compares verispec's "
                      "methods with verispec's plain batched decoding")
-    mine = [m for m in methods if m.runtime == "verispec"]
+    # plain batched decoding first: every other method is measured against it
+    mine = sorted((m for m in methods if m.runtime == "verispec"),
+                  key=lambda m: m.name != "baseline")
     if not mine or mine[0].name != "baseline":
         raise ValueError("the batched benchmark needs the baseline method")
     params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,

@@ -35,25 +35,41 @@ def load_jsonl(path: Path, per_category: int, seed: int, limit: int | None = Non
     the user message. Samples `per_category` questions per category with `seed`, categories in
     order of first appearance."""
     by_category: dict[str, list[BenchPrompt]] = defaultdict(list)
-    with Path(path).open() as file:
-        for line_number, line in enumerate(file, 1):
-            if not line.strip():
+    with Path(path).open("rb") as file:  # decoded line by line: an error names its line
+        for line_number, raw in enumerate(file, 1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
-                prediction = row.get("prediction")
-                prompt = BenchPrompt(str(row["question_id"]), str(row["category"]),
-                                     str(row["turns"][0]),
-                                     None if prediction is None else str(prediction))
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+                prompt = _question(json.loads(raw.decode("utf-8")))
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 ({err.reason} at byte "
+                                 f"{err.start} of the line)") from None
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as err:
                 raise ValueError(f"{path}:{line_number}: not a Spec-Bench question ({err})"
                                  ) from None
             by_category[prompt.category].append(prompt)
+    if not by_category:
+        raise ValueError(f"{path}: no questions in it")
     rng = random.Random(seed)
     chosen = []
     for rows in by_category.values():
         chosen.extend(rng.sample(rows, min(per_category, len(rows))))
     return chosen[:limit] if limit else chosen
+
+
+def _question(row) -> BenchPrompt:
+    """One Spec-Bench line's question: an object whose turns are a list of strings, the first
+    not empty (the user message), and whose prediction, if any, is a string."""
+    if not isinstance(row, dict):
+        raise TypeError(f"a line is an object, got {type(row).__name__}")
+    turns, prediction = row["turns"], row.get("prediction")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise TypeError("turns must be a list of strings")
+    if not turns[0].strip():
+        raise ValueError("its first turn is empty")
+    if prediction is not None and not isinstance(prediction, str):
+        raise TypeError("prediction must be a string")
+    return BenchPrompt(str(row["question_id"]), str(row["category"]), turns[0], prediction)
 
 
 def builtin_prompts(per_category: int = 2, limit: int | None = None) -> list[BenchPrompt]:

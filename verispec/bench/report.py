@@ -151,8 +151,10 @@ def render_markdown(results: dict) -> str:
         f"{len({r['question_id'] for r in results['prompts']})} prompts "
         f"({', '.join(results['categories'])}), {cfg['max_new_tokens']} new tokens, "
         f"temperature {cfg['temperature']}, K {', '.join(map(str, cfg['ks']))}, "
-        f"verispec on {machine.get('runtime', machine['dtype'])}, transformers (hf-*) on "
-        f"{machine.get('hf_dtype', machine['dtype'])}, {machine['torch_threads']} threads, "
+        f"verispec on {machine.get('runtime', machine['dtype'])}, "
+        + (f"transformers (hf-*) on {machine.get('hf_dtype', machine['dtype'])}, "
+           if any(name.startswith("hf-") for name in results["methods"]) else "")
+        + f"{machine['torch_threads']} threads, "
         f"torch {machine['torch']}, transformers {machine['transformers']}, "
         f"{machine['processor']} x{machine['cpu_count']}. Methods ran interleaved prompt by "
         "prompt after one warm-up each; speedup is tokens/s over the same runtime's baseline "
