@@ -65,7 +65,8 @@ def test_greedy_has_no_distribution():
     dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=-0.5),
     dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.0), dict(seed="x"),
     dict(stop=("",)), dict(temperature=float("nan")), dict(verify="typical"),
-    dict(verify="invariant", temperature=1.0),
+    dict(verify="invariant", temperature=1.0), dict(stop=123), dict(stop=b"ab"),
+    dict(stop={"a"}),
 ])
 def test_bad_params_are_clear_errors(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):

@@ -210,7 +210,11 @@ BAD_REQUESTS = [
     (b'{"model": "tiny", "prompt": ""}', 400, "prompt", "empty"),
     (b'{"model": "tiny", "prompt": [1, 999]}', 400, "prompt", "token ids"),
     (b'{"model": "tiny", "prompt": "' + b"a" * 2100 + b'"}', 400, "prompt", "context"),
-    (b'{"model": "tiny", "prompt": "hi", "stop": [""]}', 400, None, "stop"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": [""]}', 400, "stop", "stop"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature", "finite"),
+    (b'{"model": "tiny", "prompt": "hi", "top_p": Infinity}', 400, "top_p", "finite"),
+    (b'{"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": true}}', 400,
+     "stream_options", "stream is true"),
     (b'{"model": "tiny", "prompt": "hi", "temperature": true}', 400, "temperature", "number"),
     (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt", "valid string"),
 ]
@@ -234,6 +238,9 @@ def test_the_client_raises_openai_errors(client):
     assert err.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="needs content"):
+        client.chat.completions.create(model=MODEL, max_tokens=4,
+                                       messages=[{"role": "user", "content": None}])
     with pytest.raises(openai.BadRequestError, match="not supported"):
         client.chat.completions.create(model=MODEL, n=2, max_tokens=4,
                                        messages=[{"role": "user", "content": "hi"}])

@@ -30,6 +30,7 @@ from test_server import MODEL, alone, decoder, free_port, httpx_connects, runnin
 from verispec.engine import Engine, Event
 from verispec.server import ServerConfig, create_app
 from verispec.server.prompts import Prompts
+from verispec.server.protocol import APIError
 
 __all__ = ["decoder"]  # the tiny model, shared with test_server.py
 
@@ -263,6 +264,25 @@ def test_a_long_text_is_refused_before_tokenising(url, monkeypatch):
     response, _ = post(url, {"model": MODEL, "prompt": "x" * 1_000_000})
     assert response.status_code == 400 and "cannot fit" in response.json()["error"]["message"]
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_every_prompt_over_the_context_is_answered_alike(decoder):
+    """A prompt found too long only once tokenised (its text passed the bytes check) gets
+    the same error as one refused before: code context_length_exceeded, param prompt; text,
+    chat messages and token ids alike."""
+    prompts = Prompts(decoder)
+    prompts.max_token_bytes = 10 ** 6  # let every text through the bytes check
+    context = prompts.context
+    try:
+        for encode, prompt in [(prompts._completion_ids, "x" * (context + 5)),
+                               (prompts._completion_ids, [5] * (context + 5)),
+                               (prompts._chat_ids, [{"role": "user", "content": "x" * context}])]:
+            with pytest.raises(APIError) as refused:
+                encode(prompt)
+            assert (refused.value.code, refused.value.param) == ("context_length_exceeded",
+                                                                 "prompt")
+    finally:
+        prompts.close()
 
 
 def test_the_api_key_guards_v1_and_not_health(url):

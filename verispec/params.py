@@ -61,6 +61,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
+            _check(self.stop is None or (isinstance(self.stop, (list, tuple))),
+                   f"stop must be a string or a list of strings, got {self.stop!r}")
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from verispec.errors import PromptTooLongError
+
 Prompt = str | Sequence[int]
 
 
@@ -36,8 +38,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, cha
         if not ids:
             raise ValueError("prompt is empty")
     if len(ids) >= max_positions:
-        raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's context "
-                         f"of {max_positions}")
+        raise PromptTooLongError(len(ids), max_positions)
     return torch.tensor(ids, dtype=torch.long)
 
 

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jinja2
 from tokenizers import decoders
 
+from verispec.errors import PromptTooLongError
 from verispec.params import SamplingParams
 from verispec.server.protocol import APIError
 
@@ -104,6 +105,8 @@ class Prompts:
     def _encode(self, prompt) -> list[int]:
         try:
             return self.decoder.encode(prompt, chat=False).tolist()
+        except PromptTooLongError as err:  # as any prompt over the limit is answered
+            raise self._too_long(err.tokens) from None
         except ValueError as err:  # empty, ids outside the vocabulary
             raise APIError(400, str(err), param="prompt") from None
 

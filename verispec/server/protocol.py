@@ -17,7 +17,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    model_validator,
+)
 
 from verispec.params import MAX_SEED, MIN_TEMPERATURE, SamplingParams
 from verispec.text import unicode_only
@@ -84,10 +92,12 @@ class SamplingFields(BaseModel):
 
     model: Text
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2, strict=True)  # strict: no true, no "1"
-    top_p: float | None = Field(None, gt=0, le=1, strict=True)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True,  # strict: no true, no "1"
+                                      allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, strict=True, allow_inf_nan=False)
     top_k: StrictInt | None = Field(None, ge=0)  # extension; 0 = off
-    min_p: float | None = Field(None, ge=0, lt=1, strict=True)  # extension; 0 = off
+    min_p: float | None = Field(None, ge=0, lt=1, strict=True,  # extension; 0 = off
+                                allow_inf_nan=False)
     ignore_eos: StrictBool = False  # extension
     stop: Text | list[Text] | None = None
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
@@ -127,6 +137,9 @@ class SamplingFields(BaseModel):
         for name, neutral in NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise APIError(400, f"`{name}` is not supported by this server", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options")
         if self.temperature is not None and 0 < self.temperature < MIN_TEMPERATURE:
             raise APIError(400, f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
                                 f"got {self.temperature}", param="temperature")
@@ -138,8 +151,11 @@ class SamplingFields(BaseModel):
                 top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
                 min_p=self.min_p or 0.0, seed=self.seed, ignore_eos=self.ignore_eos,
                 stop=self.stop or (), verify=self.verify or "block")
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
+        except ValueError as err:  # SamplingParams names the field first
+            field = str(err).split(" ", 1)[0]
+            param = "max_tokens" if field == "max_new_tokens" else field
+            raise APIError(400, str(err), param=param if param in type(self).model_fields
+                           else None) from None
 
     @property
     def include_usage(self) -> bool:
@@ -160,6 +176,13 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _user_speaks(self) -> ChatMessage:
+        # as OpenAI: a user or system message has content (an assistant's may be absent)
+        if self.role in ("system", "developer", "user") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def as_dict(self) -> dict[str, str]:
         """The message as a chat template expects it: text parts joined."""
