@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, tiny_gpt2, tiny_llama
+from conftest import EOS_ID, feature_drafter, tiny_gpt2, tiny_llama
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.config import EngineConfig
@@ -80,6 +80,26 @@ def test_a_draft_gone_nan_leaves_the_output_the_targets(text_target, tokenizer, 
                                     temperature=temperature, seed=3)
             assert spec.generate("hello", params).token_ids == \
                 plain.generate("hello", params).token_ids
+
+
+@pytest.mark.parametrize("width", [1, 3], ids=["chains", "trees"])
+def test_a_feature_draft_gone_nan_leaves_the_output_the_targets(text_target, tokenizer, width):
+    """The same for a feature draft, chains and token trees (a sampled tree whose
+    distributions cannot be drawn from stops growing)."""
+    from verispec.drafters.feature import FeatureDrafter
+
+    target = text_target.float()
+    weights = feature_drafter(target, EOS_ID + 1).weights
+    broken = FeatureDrafter({name: torch.full_like(w, float("nan")) for name, w in weights.items()},
+                            torch.arange(EOS_ID + 1), target, EOS_ID + 1, tree_width=width,
+                            sampled_tree_width=width)
+    plain = SpeculativeDecoder(target, tokenizer, None, runtime="native")
+    spec = SpeculativeDecoder(target, tokenizer, broken, k=3, runtime="native")
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=temperature,
+                                seed=3)
+        assert spec.generate("hello", params).token_ids == \
+            plain.generate("hello", params).token_ids
 
 
 def test_finish_reasons(decoder):

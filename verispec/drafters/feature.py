@@ -258,7 +258,10 @@ def _grow_trees(model: _FeatureModel, drafters: list[FeatureDrafter],
                                generator, drafter.vocab_size))
         trees[-1].add_children(logits, [-1], drafter.head_token_ids)
     for depth in range(2, max(tree.depth for tree in trees) + 1):
-        growing = [n for n, tree in enumerate(trees) if tree.depth >= depth]
+        # (a tree whose last level drew nothing, its distributions gone NaN, stops)
+        growing = [n for n, tree in enumerate(trees) if tree.depth >= depth and tree.frontier]
+        if not growing:
+            break
         passes, links, fed = [], [], []
         for n in growing:
             tree, cache = trees[n], drafters[n].cache
@@ -340,6 +343,8 @@ class _Tree:
                 self.probs.append(draft_probs[row])
 
     def draft(self) -> Draft:
+        if not self.tokens:  # nothing drawn at the root
+            return empty_draft()
         tokens = torch.tensor(self.tokens, dtype=torch.long)
         parents = torch.tensor(self.parents, dtype=torch.long)
         if self.params is None:
