@@ -62,11 +62,11 @@ def test_stats_count_the_tokens_the_output_keeps_at_a_stop_string(decoder):
 
 
 @pytest.mark.parametrize("k", [3, "auto"])
-def test_a_draft_gone_nan_leaves_the_output_the_targets(text_target, tokenizer, k):
+def test_a_draft_gone_nan_leaves_the_output_the_targets(tokenizer, k):
     """A draft model whose weights are NaN (a distillation that diverged) cannot be drawn
     from: it proposes nothing, and greedy and seeded sampled output are plain decoding's,
     with K fixed or auto (whose cost model times a sampled draft step), on both runtimes."""
-    target = text_target.float()
+    target = tiny_llama(EOS_ID + 1, seed=0, dtype=torch.float32)  # (the fixture is float64)
     broken = tiny_llama(EOS_ID + 1, seed=1).float()
     with torch.no_grad():
         for weight in broken.parameters():
@@ -83,12 +83,12 @@ def test_a_draft_gone_nan_leaves_the_output_the_targets(text_target, tokenizer, 
 
 
 @pytest.mark.parametrize("width", [1, 3], ids=["chains", "trees"])
-def test_a_feature_draft_gone_nan_leaves_the_output_the_targets(text_target, tokenizer, width):
+def test_a_feature_draft_gone_nan_leaves_the_output_the_targets(tokenizer, width):
     """The same for a feature draft, chains and token trees (a sampled tree whose
     distributions cannot be drawn from stops growing)."""
     from verispec.drafters.feature import FeatureDrafter
 
-    target = text_target.float()
+    target = tiny_llama(EOS_ID + 1, seed=0, dtype=torch.float32)  # (the fixture is float64)
     weights = feature_drafter(target, EOS_ID + 1).weights
     broken = FeatureDrafter({name: torch.full_like(w, float("nan")) for name, w in weights.items()},
                             torch.arange(EOS_ID + 1), target, EOS_ID + 1, tree_width=width,
