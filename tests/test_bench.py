@@ -233,6 +233,16 @@ def test_batched_benchmark_compares_with_plain_batched_decoding(model_folders, t
     report = (tmp_path / "b" / "report.md").read_text()
     assert "| 4 | draft |" in report
     assert ("static batch" in report) == (queue == 1)
+    # decoding after each static batch's first tokens, the prompts' passes left out; none
+    # where rows join mid-run
+    for size in (1, 2, 4):
+        for entry in by_batch[size].values():
+            if queue == 1:
+                assert entry["decode_tokens_per_s"] > 0 and entry["decode_speedup"] > 0
+            else:
+                assert entry["decode_tokens_per_s"] is None
+        assert queue != 1 or by_batch[size]["baseline"]["decode_speedup"] == 1.0
+    assert ("decode speedup" in report) == (queue == 1)
     assert (tmp_path / "b" / "throughput_by_batch.png").is_file()
     with pytest.raises(ValueError, match="baseline"):
         BenchConfig(methods=("ngram",), batch_sizes=(2,))

@@ -6,7 +6,8 @@ max_batch=B)`), methods rotated chunk by chunk so machine noise hits them alike.
 static batches, where a batch runs until its slowest row ends (speculative rows end at
 different rounds, so a batch pays for its slowest one); Q > 1 is continuous batching, where a
 row that ends is replaced from the queue, as in the server. Throughput is all generated tokens
-over all wall time.
+over all wall time; with static batches also after each batch's first tokens (decode), where
+long prompts' passes would otherwise hide what the methods change in decoding.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
             # proposed to the timed runs (a suffix lookup would copy the answers)
             method.forget_text()
         totals = {m.name: dict(new_tokens=0, wall_s=0.0, accepted=0, checked=0, equal=0,
-                               compared=0) for m in methods}
+                               compared=0, decode_tokens=0, decode_s=0.0) for m in methods}
         # 2. Every chunk by every method, rotated.
         for c, chunk in enumerate(chunks):
             outputs = {}
@@ -61,6 +62,11 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
                 entry["new_tokens"] += sum(len(o.token_ids) for o in outputs[method.name])
                 entry["accepted"] += sum(o.stats.accepted for o in outputs[method.name])
                 entry["checked"] += sum(o.stats.checked for o in outputs[method.name])
+                # after the first token: a static batch decodes once its last row has its
+                # first token (every row joined at the start; the prompts' passes before)
+                entry["decode_s"] += wall - max(o.stats.ttft_s for o in outputs[method.name])
+                entry["decode_tokens"] += sum(max(0, len(o.token_ids) - 1)
+                                              for o in outputs[method.name])
                 bar.update()
             reference = [o.token_ids for o in outputs[methods[0].name]]
             for method in methods[1:]:
@@ -71,16 +77,28 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
         # 3. Throughput and its ratio to plain batched decoding at this batch size.
         base = totals[methods[0].name]
         base_rate = base["new_tokens"] / base["wall_s"]
+        base_decode = _decode_rate(base, queue)
         results["by_batch"][batch] = {
             name: dict(new_tokens=e["new_tokens"], wall_s=e["wall_s"],
                        tokens_per_s=e["new_tokens"] / e["wall_s"],
                        speedup=e["new_tokens"] / e["wall_s"] / base_rate,
+                       decode_tokens_per_s=_decode_rate(e, queue),
+                       decode_speedup=None if not base_decode or _decode_rate(e, queue) is None
+                       else _decode_rate(e, queue) / base_decode,
                        acceptance_rate=e["accepted"] / e["checked"] if e["checked"] else None,
                        greedy_equal_to_baseline=(f"{e['equal']}/{e['compared']}"
                                                  if e["compared"] and params.greedy else None))
             for name, e in totals.items()}
     bar.close()
     return results
+
+
+def _decode_rate(totals: dict, queue: int) -> float | None:
+    """Tokens a second after each static batch's first tokens; None under continuous batching
+    (rows join mid-run: no single point where prompts end and decoding begins)."""
+    if queue != 1 or totals["decode_s"] <= 0.0:
+        return None
+    return totals["decode_tokens"] / totals["decode_s"]
 
 
 def write_batch_outputs(results: dict, out) -> None:
@@ -130,14 +148,26 @@ def render_batch_markdown(batch: dict) -> list[str]:
     how = ("each chunk of B prompts decoded as one static batch" if queue == 1 else
            f"continuous batching: chunks of {queue}*B prompts queued, B rows at a time, a row "
            "that ends replaced from the queue")
+    decode = queue == 1 and any(e.get("decode_tokens_per_s") is not None
+                                for methods in batch["by_batch"].values()
+                                for e in methods.values())
     lines = ["", "## Batched throughput", "",
              f"Total generated tokens/s, {how}; speedup over verispec's plain batched decoding "
-             "at the same batch size B.", "",
-             "| batch size | method | tokens/s | speedup | acceptance | greedy = baseline |",
-             "|---|---|---|---|---|---|"]
+             "at the same batch size B."
+             + (" Decode: tokens/s after each batch's last first token (the prompts' passes "
+                "left out)." if decode else ""), "",
+             "| batch size | method | tokens/s | speedup | "
+             + ("decode tokens/s | decode speedup | " if decode else "")
+             + "acceptance | greedy = baseline |",
+             "|---|---|---|---|---|---|" + ("---|---|" if decode else "")]
     for size, methods in batch["by_batch"].items():
         for name, e in methods.items():
             acceptance = "–" if e["acceptance_rate"] is None else f"{e['acceptance_rate']:.2f}"
+            decoded = ""
+            if decode:
+                rate, ratio = e.get("decode_tokens_per_s"), e.get("decode_speedup")
+                decoded = (f"{'–' if rate is None else f'{rate:.1f}'} | "
+                           f"{'–' if ratio is None else f'{ratio:.2f}'} | ")
             lines.append(f"| {size} | {name} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f} | "
-                         f"{acceptance} | {e['greedy_equal_to_baseline'] or '–'} |")
+                         f"{decoded}{acceptance} | {e['greedy_equal_to_baseline'] or '–'} |")
     return lines
