@@ -6,6 +6,7 @@ import logging
 import os
 import platform
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,6 +39,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     #    line of the prompt file.
     try:
         config.out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=config.out):  # an existing folder may be read-only
+            pass
     except OSError as err:
         raise ValueError(f"cannot write the results to {config.out}: {err.strerror}") from None
     prompts = (load_jsonl(config.prompts, config.per_category, config.seed, config.limit)

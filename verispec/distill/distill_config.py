@@ -105,14 +105,12 @@ class DistillConfig:
         return torch.device(self.device)
 
     def check_target(self, vocab_size: int, num_layers: int) -> None:
-        """The settings that depend on the target, checked once it is loaded and before any
-        data is written: top-k, the head's vocabulary, a layers draft's depth, the taps."""
+        """The settings that depend on the target, checked once it is loaded and before anything
+        is written: top-k, a layers draft's depth, the taps. (A head_vocab past the vocabulary
+        is the whole vocabulary.)"""
         if self.topk > vocab_size:
             raise ValueError(f"topk must be at most the target's vocabulary ({vocab_size}), "
                              f"got {self.topk}")
-        if self.head_vocab > vocab_size:
-            raise ValueError(f"head_vocab must be at most the target's vocabulary "
-                             f"({vocab_size}), got {self.head_vocab}")
         if self.kind == "layers" and self.layers > num_layers:
             raise ValueError(f"layers must be at most the target's {num_layers}, got "
                              f"{self.layers}")

@@ -78,30 +78,36 @@ class DistillResult:
 def distill(config: DistillConfig) -> DistillResult:
     """Run (or, with config.resume, continue) the whole pipeline; return the draft folder."""
     out = config.out
+    _check_run_folder(config)
+    model, tokenizer = _load_target(config)  # and what depends on it, before any write
     _prepare_run_folder(config)
     handler = logging.FileHandler(out / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        return _run(config)
+        return _run(config, model, tokenizer)
     finally:
         log.removeHandler(handler)
         handler.close()
 
 
-def _run(config: DistillConfig) -> DistillResult:
-    out, data = config.out, config.out / "data"
-    log.info("distill: %s on %s", config, config.torch_device)
-    extra = extra_shards(config)  # checked before any data is written
+def _load_target(config: DistillConfig):
+    """The target and its tokenizer, with the settings that depend on it checked."""
     model, tokenizer = loading.load(config.target, device=str(config.torch_device))
     if tokenizer is None:
         raise ValueError("distillation needs the target's tokenizer; this target has none")
-    # what depends on the target, before any data is written
     config.check_target(int(model.get_input_embeddings().weight.shape[0]),
                         model.config.num_hidden_layers)
     if config.kind == "layers":
         draft_config(model, config.layers)  # a Llama-family target
+    return model, tokenizer
+
+
+def _run(config: DistillConfig, model, tokenizer) -> DistillResult:
+    out, data = config.out, config.out / "data"
+    log.info("distill: %s on %s", config, config.torch_device)
+    extra = extra_shards(config)  # checked before any data is written
     teacher = Teacher(model, tokenizer, config.chat)
     # 1-2. Prompts, then the data shards (the first, held-out shard holds the eval prompts).
     prompts = build_prompts(teacher, config, data / "prompts.json")
@@ -235,8 +241,9 @@ def command_line(config: DistillConfig) -> str:
     return " ".join(parts)
 
 
-def _prepare_run_folder(config: DistillConfig) -> None:
-    """A fresh run needs an empty folder; a resumed one must keep the data settings."""
+def _check_run_folder(config: DistillConfig) -> None:
+    """A fresh run needs an empty folder; a resumed one must keep the data settings. Writes
+    nothing."""
     out, manifest_path = config.out, config.out / "data" / "manifest.json"
     manifest = config.data_manifest()
     if not config.resume and out.exists() and any(out.iterdir()):
@@ -251,8 +258,13 @@ def _prepare_run_folder(config: DistillConfig) -> None:
         if changed:
             raise ValueError(f"cannot resume {out}: its data was made with other settings "
                              f"({', '.join(f'{k}={saved.get(k)!r}' for k in changed)})")
+
+
+def _prepare_run_folder(config: DistillConfig) -> None:
+    """The run folder with its data manifest (`_check_run_folder` first)."""
+    manifest_path = config.out / "data" / "manifest.json"
     manifest_path.parent.mkdir(parents=True, exist_ok=True)
-    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    manifest_path.write_text(json.dumps(config.data_manifest(), indent=1) + "\n")
 
 
 def extra_shards(config: DistillConfig) -> list[Path]:
