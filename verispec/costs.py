@@ -41,7 +41,7 @@ class CostModel:
     long_draft_step: float | None = None
     # A one-token step after the longer context, in steps after the shorter one (timed in
     # alternation with them): with it `at` follows each pass's time along the context, not
-    # its ratio to a step. None: the ratios are followed (models measured without it).
+    # its ratio to a step. None: the ratios are followed (a model handed in without it).
     long_step: float | None = None
     # What a sampled row pays per drafted token beyond a greedy one: the drafter warping and
     # drawing from its distribution, and verification warping the target's distribution at one
@@ -69,7 +69,7 @@ class CostModel:
         v(9) 2.0 at 128 and 2.5 at 1024, the step 1.3x as long there -> at 4096 the step
         1 + 4.43 x 0.3 and the pass 2.0 + 4.43 x 1.25 short steps: v(9) 7.54 / 2.33 = 3.2.
 
-        Without it (models measured before): v(n) (and c) along the line through the two
+        Without it (a model handed in without it): v(n) (and c) along the line through the two
         contexts' ratios, v never below 1. Example: v(5) 1.05 at 128 and 1.15 at 1024 -> 1.10
         at 576."""
         if self.long_verify is None:

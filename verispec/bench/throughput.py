@@ -78,14 +78,15 @@ def run_batch_bench(methods, prompt_ids: list[list[int]], batch_sizes: tuple[int
         # 3. Throughput and its ratio to plain batched decoding at this batch size.
         base = totals[methods[0].name]
         base_rate = base["new_tokens"] / base["wall_s"]
-        base_decode = _decode_rate(base, queue)
+        decoded = {name: _decode_rate(e, queue) for name, e in totals.items()}
+        base_decode = decoded[methods[0].name]
         results["by_batch"][batch] = {
             name: dict(new_tokens=e["new_tokens"], wall_s=e["wall_s"],
                        tokens_per_s=e["new_tokens"] / e["wall_s"],
                        speedup=e["new_tokens"] / e["wall_s"] / base_rate,
-                       decode_tokens_per_s=_decode_rate(e, queue),
-                       decode_speedup=None if not base_decode or _decode_rate(e, queue) is None
-                       else _decode_rate(e, queue) / base_decode,
+                       decode_tokens_per_s=decoded[name],
+                       decode_speedup=None if not base_decode or decoded[name] is None
+                       else decoded[name] / base_decode,
                        acceptance_rate=e["accepted"] / e["checked"] if e["checked"] else None,
                        greedy_equal_to_baseline=(f"{e['equal']}/{e['compared']}"
                                                  if e["compared"] and params.greedy else None))
@@ -149,9 +150,8 @@ def render_batch_markdown(batch: dict) -> list[str]:
     how = ("each chunk of B prompts decoded as one static batch" if queue == 1 else
            f"continuous batching: chunks of {queue}*B prompts queued, B rows at a time, a row "
            "that ends replaced from the queue")
-    decode = queue == 1 and any(e.get("decode_tokens_per_s") is not None
-                                for methods in batch["by_batch"].values()
-                                for e in methods.values())
+    decode = any(e.get("decode_tokens_per_s") is not None  # static batches only
+                 for methods in batch["by_batch"].values() for e in methods.values())
     lines = ["", "## Batched throughput", "",
              f"Total generated tokens/s, {how}; speedup over verispec's plain batched decoding "
              "at the same batch size B."

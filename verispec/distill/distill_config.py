@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.drafters.folder import taps_fit
+
 # The fields that decide what the data is: a resumed run must keep them.
 DATA_FIELDS = ("target", "num_prompts", "self_prompts", "eval_prompts", "shard_prompts",
                "max_new_tokens", "batch_size", "temperature", "greedy_fraction", "topk", "chat",
@@ -114,7 +116,7 @@ class DistillConfig:
         if self.kind == "layers" and self.layers > num_layers:
             raise ValueError(f"layers must be at most the target's {num_layers}, got "
                              f"{self.layers}")
-        if any(t >= num_layers for t in self.feature_taps):
+        if not taps_fit(self.feature_taps, num_layers):
             raise ValueError(f"feature_taps must lie inside the target's {num_layers} layers, "
                              f"got {self.feature_taps}")
 

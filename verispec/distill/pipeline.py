@@ -79,6 +79,7 @@ def distill(config: DistillConfig) -> DistillResult:
     """Run (or, with config.resume, continue) the whole pipeline; return the draft folder."""
     out = config.out
     _check_run_folder(config)
+    extra = extra_shards(config)
     model, tokenizer = _load_target(config)  # and what depends on it, before any write
     _prepare_run_folder(config)
     handler = logging.FileHandler(out / "train.log")
@@ -86,7 +87,7 @@ def distill(config: DistillConfig) -> DistillResult:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        return _run(config, model, tokenizer)
+        return _run(config, model, tokenizer, extra)
     finally:
         log.removeHandler(handler)
         handler.close()
@@ -104,10 +105,13 @@ def _load_target(config: DistillConfig):
     return model, tokenizer
 
 
-def _run(config: DistillConfig, model, tokenizer) -> DistillResult:
+def _run(config: DistillConfig, model, tokenizer, extra: list[Path]) -> DistillResult:
+    """extra: the training shards of config.extra_data's runs (`extra_shards`)."""
     out, data = config.out, config.out / "data"
     log.info("distill: %s on %s", config, config.torch_device)
-    extra = extra_shards(config)  # checked before any data is written
+    if extra:
+        log.info("distill: %d extra training shards from %d earlier runs", len(extra),
+                 len(config.extra_data))
     teacher = Teacher(model, tokenizer, config.chat)
     # 1-2. Prompts, then the data shards (the first, held-out shard holds the eval prompts).
     prompts = build_prompts(teacher, config, data / "prompts.json")
@@ -285,9 +289,6 @@ def extra_shards(config: DistillConfig) -> list[Path]:
         if not found:
             raise ValueError(f"--extra-data {run}: no training shards written there yet")
         shards += found
-    if shards:
-        log.info("distill: %d extra training shards from %d earlier runs", len(shards),
-                 len(config.extra_data))
     return shards
 
 

@@ -172,6 +172,7 @@ class CountRequests:
 def route_label(path: str) -> str:
     """A request path as /metrics labels it: a route's own path, the model route's template
     for /v1/models/<any id>, else "other" (so that clients cannot grow the label set)."""
-    if path in PATHS or path.rstrip("/") in PATHS:
-        return path.rstrip("/") or path
+    trimmed = path.rstrip("/")
+    if trimmed in PATHS:
+        return trimmed
     return MODEL_PATH if path.startswith("/v1/models/") else "other"
