@@ -69,9 +69,15 @@ inline float quantize_block_lanes(const float* x, int8_t* codes, int32_t half_su
   // 1. the block's largest magnitude, and its scale
   const Floats low = load_lanes(x), high = load_lanes(x + LANES);
   const Floats a = magnitude(low), b = magnitude(high);
-  const Floats larger = (a > b || a != a) ? a : b;
-  float amax = 0.0f;
-  for (int l = 0; l < LANES; l++) amax = (larger[l] > amax || larger[l] != larger[l]) ? larger[l] : amax;
+  // folded by halves in registers (lane l + 8 onto l, then l + 4, l + 2, l + 1): a maximum is
+  // exact in any order, and a NaN anywhere wins every step it meets
+  const auto larger = [](Floats u, Floats v) { return (u > v || u != u) ? u : v; };
+  Floats m = larger(a, b);
+  m = larger(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  m = larger(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+  m = larger(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+  m = larger(m, __builtin_shufflevector(m, m, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+  const float amax = m[0];  // >= 0 (magnitudes), or NaN
   const float d = amax / 127.0f;
   const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
   // 2. codes, and their sums per half block
@@ -79,12 +85,14 @@ inline float quantize_block_lanes(const float* x, int8_t* codes, int32_t half_su
   for (int half = 0; half < 2; half++) {
     Floats v = ((half ? high : low) * inverse + shifter) - shifter;
     v = v > 127.0f ? splat(127.0f) : (v < -127.0f ? splat(-127.0f) : (v == v ? v : splat(0.0f)));
-    const Ints q = __builtin_convertvector(v, Ints);
+    Ints q = __builtin_convertvector(v, Ints);
     const Bytes bytes = __builtin_convertvector(q, Bytes);
     std::memcpy(codes + LANES * half, &bytes, sizeof bytes);
-    int32_t sum = 0;
-    for (int l = 0; l < LANES; l++) sum += q[l];
-    half_sums[half] = sum;
+    q = q + __builtin_shufflevector(q, q, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    q = q + __builtin_shufflevector(q, q, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    q = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    q = q + __builtin_shufflevector(q, q, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    half_sums[half] = q[0];  // an integer sum: exact in any order
   }
   return d;
 }
@@ -99,9 +107,15 @@ inline void quantize_row(const float* x, int64_t K, int64_t padded, int8_t* code
   if (last_block < 0) last_block = padded / QK;
   for (int64_t b = first_block; b < last_block; b++) {
     const int64_t first = b * QK, count = first >= K ? 0 : (K - first < QK ? K - first : QK);
-    int32_t half_sums[2];
-    const float d = count == QK ? quantize_block_lanes(x + first, codes + first, half_sums)
-                                : quantize_block_scalar(x + first, count, codes + first, half_sums);
+    int32_t half_sums[2] = {0, 0};
+    float d = 0.0f;  // a block past K (the padding): zero codes, scale and sums, as the scalar
+                     // definition gives them, without its element loop
+    if (count == QK)
+      d = quantize_block_lanes(x + first, codes + first, half_sums);
+    else if (count > 0)
+      d = quantize_block_scalar(x + first, count, codes + first, half_sums);
+    else
+      std::memset(codes + first, 0, QK);
     scales[b] = d;
     sums[2 * b] = d * float(half_sums[0]);
     sums[2 * b + 1] = d * float(half_sums[1]);
