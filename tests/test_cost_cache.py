@@ -221,6 +221,20 @@ def test_verispec_costs_measures_afresh_and_refreshes_the_cache(model_folders, m
     assert len(measured) == 4  # read, not measured
 
 
+def test_verispec_costs_without_a_draft_reports_no_draft_figures(model_folders, measured,
+                                                                  capsys):
+    """Plain decoding has no draft to price: its draft figures are null, not a measured 0."""
+    from verispec.cli import main
+
+    assert main(["costs", "--target", str(model_folders / "target"), "--draft", "none",
+                 "--k-max", "4", "--max-batch", "2"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["verify_v"] == list(ONE_ROW.verify) and report["target_step_ms"] > 0
+    assert report["draft_step_c"] is None and report["draft_catch_up_ms_per_token"] is None
+    assert report["draft_step_c_long"] is None
+    assert report["batches"]["2"]["draft_step_c"] is None
+
+
 def engine_measuring_with(measure_batch, model_file, monkeypatch, measure_after_idle_s: float):
     """(decoder, engine thread) of a tiny model with an n-gram drafter and k="auto", its one-row
     model given and its batch sizes measured by `measure_batch`, once idle that long."""

@@ -189,20 +189,24 @@ def run_costs(args: argparse.Namespace) -> int:
         args, decode=DecodeConfig(auto_k_max=args.k_max)))
     models = decoder.cost_table.remeasure(args.max_batch)
     costs = models[1]
+    drafts = decoder.drafter is not None  # plain decoding: no draft to price (null, not 0)
+
+    def draft_figure(value: float | None, scale: float = 1.0, digits: int = 4) -> float | None:
+        return None if not drafts or value is None else round(value * scale, digits)
+
     report = {"runtime": type(decoder.target).__name__, "dtype": args.dtype, "int8": args.int8,
               "draft": args.draft,
               "target_step_ms": round(costs.target_step_s * 1e3, 2),
-              "draft_step_c": round(costs.draft_step, 4),
-              "draft_step_c_long": None if costs.long_draft_step is None
-              else round(costs.long_draft_step, 4),
+              "draft_step_c": draft_figure(costs.draft_step),
+              "draft_step_c_long": draft_figure(costs.long_draft_step),
               "sampling_step": round(costs.sampling_step, 4),
-              "draft_catch_up_ms_per_token": round(costs.draft_catch_up_s * 1e3, 3),
+              "draft_catch_up_ms_per_token": draft_figure(costs.draft_catch_up_s, 1e3, 3),
               "verify_v": [round(v, 3) for v in costs.verify],
               "verify_v_long": [round(v, 3) for v in costs.long_verify or ()],
               "step_long": None if costs.long_step is None else round(costs.long_step, 3),
               "contexts": list(costs.contexts)}
     if args.max_batch > 1:
-        report["batches"] = {size: {"draft_step_c": round(model.draft_step, 4),
+        report["batches"] = {size: {"draft_step_c": draft_figure(model.draft_step),
                                     "verify_v": [round(v, 3) for v in model.verify],
                                     "verify_v_long": [round(v, 3)
                                                       for v in model.long_verify or ()]}
