@@ -14,7 +14,7 @@ from conftest import always_accept_rows, chi2_pvalue, exact_joint, first_two_cou
 
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import NgramDrafter
-from verispec.drafters.prediction import PredictionLookup, is_prediction, run_source
+from verispec.drafters.prediction import PredictionLookup, copied_tokens, is_prediction, run_source
 from verispec.verify import verify_drafts
 
 PARAMS = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -65,27 +65,42 @@ def test_a_proposal_is_known_by_how_long_the_output_has_been_copying():
 
 def test_the_prediction_tokens_the_output_copies_are_counted_once():
     """OpenAI's accepted prediction tokens are the prediction's tokens that appear in the
-    output: a round's tokens from where the output goes on in the prediction, draft or not
-    (the target's token after a proposal accepted whole), up to the first that departs; a part
-    of the prediction the output copies twice counts once."""
-    prediction = torch.tensor([5, 6, 7, 8])
-    lookup = PredictionLookup(1, prediction)  # prompt [0]
-    assert lookup.propose(torch.tensor([0]), 2).tokens.tolist() == [5, 6]
-    lookup.record([5, 6, 7])  # the two drafted, and the target's own 7: three copies
-    assert lookup.copied == 3
-    lookup.propose(torch.tensor([0, 5, 6, 7]), 0)  # nothing verified, still noted
-    lookup.record([8, 9])  # 8 copied; 9 is past the prediction's end
-    assert lookup.copied == 4
-    again = PredictionLookup(1, prediction)
-    again.propose(torch.tensor([0]), 1)
-    again.record([5, 9])  # departs after one token
-    assert again.copied == 1
-    again.propose(torch.tensor([0, 5, 9, 5, 6]), 1)  # the output repeats 5, 6: goes on at 2
-    again.record([7])
-    assert again.copied == 2  # 5 (once), 7
-    first = PredictionLookup(1, prediction)
-    first.propose(torch.tensor([0, 5]), 0)  # the first token was the prediction's first
-    assert first.continued == 1
+    output, aligned in order: a part of the prediction the output writes twice counts once, a
+    changed token is not a copy, and a span written as the same text in other tokens is."""
+    text = {1: "a", 2: "b", 3: "c", 4: "d", 10: "\n", 11: "\n\n", 9: "z"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(text[i] for i in ids)
+
+    assert copied_tokens([1, 2, 3, 4], [1, 2, 3, 4], decode) == 4
+    assert copied_tokens([1, 2, 3, 4], [1, 2, 9, 4], decode) == 3
+    assert copied_tokens([1, 2, 3, 4], [1, 2, 1, 2, 3, 4], decode) == 4  # copied twice: once
+    assert copied_tokens([1, 2, 3, 4], [1, 2], decode) == 2  # an output cut short
+    assert copied_tokens([1, 10, 10, 2], [1, 11, 2], decode) == 4  # "\n" "\n" as "\n\n"
+    assert copied_tokens([1, 11, 2], [1, 10, 10, 2], decode) == 3
+    assert copied_tokens([1, 10, 10, 2], [1, 11, 9, 2], decode) == 2  # other text: not copies
+    assert copied_tokens([1, 2], [], decode) == 0 and copied_tokens([], [1, 2], decode) == 0
+
+
+def test_the_copied_count_does_not_depend_on_the_drafter(text_target, tokenizer):
+    """The same output and prediction give the same accepted and rejected counts whichever
+    drafter ran and however its rounds cut the output, and a prediction equal to the output's
+    text is copied whole even where it tokenises otherwise than the output was written."""
+    plain = SpeculativeDecoder(text_target, tokenizer, None)
+    expected = plain.generate(PROMPT, PARAMS)
+    retokenised = tokenizer(expected.text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(retokenised) == expected.text
+    for prediction in (expected.text, expected.token_ids[:20] + [ord("q")] * 5):
+        counts = set()
+        for drafter, k in ((None, "auto"), (NgramDrafter(), 2), (NgramDrafter(), 5)):
+            decoder = SpeculativeDecoder(text_target, tokenizer, drafter, k=k)
+            out = decoder.generate(PROMPT, PARAMS, prediction=prediction)
+            assert out.token_ids == expected.token_ids
+            counts.add((out.stats.accepted_prediction_tokens,
+                        out.stats.rejected_prediction_tokens))
+        assert len(counts) == 1, counts
+        if isinstance(prediction, str):
+            assert counts == {(len(retokenised), 0)}
 
 
 def test_where_the_prediction_has_nothing_the_output_is_looked_up():

@@ -151,3 +151,23 @@ def test_streamed_text_equals_decoding_all_ids_with_smollm2s_tokenizer(smollm):
             assert whole.startswith("".join(pieces))
         pieces.append(stream.flush())
         assert "".join(pieces) == whole == stream.text
+
+
+def test_a_prediction_equal_to_the_output_is_copied_whole(smollm):
+    """The output's own text as its prediction: every prediction token counts as accepted,
+    the same with any drafter, though the text tokenises otherwise than the target wrote it
+    ("\n", "\n" against "\n\n": the lookup loses its place there for a round or two)."""
+    model, tokenizer = smollm
+    params = SamplingParams(max_new_tokens=60)
+    plain = SpeculativeDecoder(model, tokenizer, drafter=None, runtime="native")
+    expected = plain.generate("Name three rivers.", params)
+    retokenised = tokenizer(expected.text, add_special_tokens=False).input_ids
+    assert retokenised != expected.token_ids[:len(retokenised)]  # the case this is about
+    for drafter, k in ((None, "auto"), (NgramDrafter(), 4)):
+        decoder = SpeculativeDecoder(model, tokenizer, drafter, k=k, runtime="native")
+        out = decoder.generate("Name three rivers.", params, prediction=expected.text)
+        assert out.token_ids == expected.token_ids
+        assert out.stats.prediction_tokens == len(retokenised)
+        assert out.stats.accepted_prediction_tokens == len(retokenised)
+        assert out.stats.rejected_prediction_tokens == 0
+

@@ -34,7 +34,7 @@ from verispec.config import DecodeConfig
 from verispec.cost_table import CostTable
 from verispec.drafters.drafter import Drafter
 from verispec.drafters.ngram import NgramDrafter
-from verispec.drafters.prediction import PredictionLookup
+from verispec.drafters.prediction import PredictionLookup, copied_tokens
 from verispec.params import SamplingParams
 from verispec.planner import RoundPlanner
 from verispec.policy import AdaptiveK, FixedK, HeuristicK, KPolicy
@@ -223,10 +223,6 @@ class Engine:
         request.stats.record_round(verified.drafted, verified.accepted, len(new_ids))
         text, start = request.text, len(request.text.ids)
         piece = text.add(new_ids)
-        if request.prediction is not None:  # copies of it among the tokens the output keeps
-            request.prediction.record(new_ids)
-            request.stats.accepted_prediction_tokens = request.prediction.copied_before(
-                text.num_tokens) if text.stopped else request.prediction.copied
         if text.stopped:
             new_ids = text.ids[start: text.num_tokens]  # the round's tokens the output keeps
             request.stats.new_tokens = text.num_tokens  # counted as the output keeps them
@@ -242,6 +238,11 @@ class Engine:
         ids = text.ids[: text.num_tokens]
         stopped_on_eos = bool(ids) and ids[-1] in self.model.eos_ids and not params.ignore_eos
         finish_reason = "stop" if text.stopped or stopped_on_eos else "length"
+        if request.prediction is not None:  # the prediction's tokens the output copied
+            tokenizer = self.model.tokenizer  # without one, only equal ids are copies
+            request.stats.accepted_prediction_tokens = copied_tokens(
+                request.prediction.prediction_ids.tolist(), ids,
+                tokenizer.decode if tokenizer is not None else tuple)
         return GenerationOutput(text.text, ids, finish_reason, request.stats.finish())
 
     def _fail(self, request: Request, error: Exception) -> Event:

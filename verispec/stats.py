@@ -37,7 +37,7 @@ class GenerationStats:
     tokens_per_s: float
     verify: str = "greedy"  # what verified the drafts: greedy, block, token or invariant
     # Predicted Outputs: the prediction's length, and how many of its tokens the output copied
-    # (appeared in it, each once: `PredictionLookup.copied`); the rest:
+    # (appeared in it, each once: `prediction.copied_tokens`); the rest:
     # rejected_prediction_tokens, as OpenAI counts them
     prediction_tokens: int = 0
     accepted_prediction_tokens: int = 0

@@ -24,6 +24,9 @@ n-gram's length, as any lookup's.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable
+
 import torch
 
 from verispec.drafters.drafter import Draft, empty_draft
@@ -67,12 +70,8 @@ class PredictionLookup:
     lookup: where given, asked when the prediction has no continuation (the prompt and the
     output so far); for a row with no lookup of its own.
 
-    It also counts the prediction's tokens that the output copies (`copied`: OpenAI's accepted
-    prediction tokens, "tokens in the prediction that appeared in the completion"): each round
-    the tokens the output writes from where it goes on in the prediction, as far as they equal
-    the prediction's (`record`), whoever proposed them (a draft, or the target's own token);
-    each prediction position once. A perfect prediction is then copied whole, the target's
-    token after each fully accepted proposal included.
+    How many of the prediction's tokens the output copied is counted once the output is done,
+    from the two alone (`copied_tokens`).
     """
 
     def __init__(self, prompt_length: int, prediction_ids: torch.Tensor,
@@ -83,30 +82,14 @@ class PredictionLookup:
         self.min_match, self.max_ngram = min_match, max_ngram
         self.lookup = lookup
         self.cursor = 0  # the prediction position the output last continued from
-        # where the output goes on in the prediction at this round's start (None: nowhere)
-        self.continued: int | None = None
-        self.written = 0  # output tokens recorded so far
-        # the prediction positions the output copied, each with the output index of its copy
-        self.copies: dict[int, int] = {}
-
-    @property
-    def copied(self) -> int:
-        """How many of the prediction's tokens the output has copied so far."""
-        return len(self.copies)
-
-    def copied_before(self, length: int) -> int:
-        """How many of them the output's first `length` tokens copied (an output cut at a stop
-        string keeps fewer tokens than its rounds wrote)."""
-        return sum(1 for at in self.copies.values() if at < length)
 
     def propose(self, history: torch.Tensor, k: int) -> Draft:
         """Up to k tokens that follow, in the prediction, the output's longest matching recent
         n-gram (history [L]: prompt + output so far); else, with a lookup, what followed the
         history's last n-gram earlier in it; an empty draft where neither has any. Called once
-        a round (k 0 too: where the output goes on is noted for `record`)."""
+        a round."""
         start, source = self._continuation(history[self.prompt_length:])
         has_text = start is not None and start < self.prediction_ids.numel()
-        self.continued = start if has_text else None
         if k <= 0:
             return empty_draft()
         if has_text:
@@ -115,20 +98,6 @@ class PredictionLookup:
         if self.lookup is None:
             return empty_draft()
         return self.lookup.propose(history, k, GREEDY, None)  # its params go unread
-
-    def record(self, tokens: list[int]) -> None:
-        """A round wrote `tokens` after the history its proposal was made for: those that equal
-        the prediction from where the output went on (`continued`) are copies of it. Every
-        round is recorded, so that each copy's place in the output is known."""
-        first, self.written = self.written, self.written + len(tokens)
-        if self.continued is None:
-            return
-        ahead = self.prediction_ids[self.continued: self.continued + len(tokens)].tolist()
-        for offset, (token, predicted) in enumerate(zip(tokens, ahead, strict=False)):
-            if token != predicted:
-                break
-            self.copies.setdefault(self.continued + offset, first + offset)
-        self.continued = None  # a round is recorded once, against its own proposal
 
     def _continuation(self, output: torch.Tensor) -> tuple[int | None, int]:
         """Where in the prediction the output goes on, and the proposal's source. An output
@@ -157,3 +126,26 @@ class PredictionLookup:
         span = min(RUN_KINDS[0], int(output.numel()), end)
         same = output[-span:].flip(0) == self.prediction_ids[end - span: end].flip(0)  # [span]
         return int(same.long().cumprod(0).sum())
+
+
+def copied_tokens(prediction: list[int], output: list[int],
+                  decode: Callable[[list[int]], str]) -> int:
+    """How many of the prediction's tokens the output copied: OpenAI's accepted prediction
+    tokens, "tokens in the prediction that appeared in the completion" (the rest are its
+    rejected ones). The two are aligned as difflib aligns sequences (the longest matching
+    blocks first, then the same within what lies between): a matched token is copied, and so
+    is every token of an unmatched span that the output writes as the same text in other tokens
+    (the prediction's '\n', '\n' where the output has '\n\n'). It depends on the prediction
+    and the output alone, never on which tokens a draft proposed or how rounds cut the output.
+
+    Example: prediction [1, 2, 3, 4], output [1, 2, 9, 4]: 3 copied (1, 2 and 4).
+    """
+    # autojunk: tokens that make up over 1% of a long output anchor no block (they still extend
+    # one), which bounds the alignment's time on repetitive text
+    matcher = difflib.SequenceMatcher(None, prediction, output, autojunk=True)
+    copied = 0
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal" or (tag == "replace"
+                              and decode(prediction[i1:i2]) == decode(output[j1:j2])):
+            copied += i2 - i1
+    return copied
