@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(a file being edited, say), used as a draft source")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object {text, token_ids, stats} on stdout")
+                     help="print one JSON object {text, token_ids, finish_reason, stats} "
+                          "on stdout")
     gen.set_defaults(run=run_generate)
 
     bench = commands.add_parser("bench", help="verispec vs plain decoding vs transformers")

@@ -1,9 +1,10 @@
-"""Text in and out: prompts and predictions to ids (`encode_prompt`, `encode_prediction`), and
-ids to text as it streams, with stop strings (`TextStream`)."""
+"""Text in and out: prompts, chats and predictions to ids (`encode_prompt`, `chat_ids`,
+`encode_prediction`), and ids to text as it streams, with stop strings (`TextStream`)."""
 
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -27,10 +28,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, cha
             raise ValueError("this model has no tokenizer: give the prompt as token ids")
         unicode_only(prompt, "prompt")
         if chat and getattr(tokenizer, "chat_template", None):
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                tokenize=False)
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}])
         else:
             ids = tokenizer(prompt)["input_ids"]
     else:
@@ -40,6 +38,49 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, cha
     if len(ids) >= max_positions:
         raise PromptTooLongError(len(ids), max_positions)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+             text: str | None = None) -> list[int]:
+    """Messages under the tokenizer's chat template, ending with the assistant's turn -> ids.
+
+    A special token's text inside a message ("<|im_end|>" written by a user) stays text there,
+    as OpenAI treats it: it cannot close the turn or open another role's. Messages without such
+    text are tokenised as the template renders them, whole. Those with it: the template's text
+    around each message is tokenised with its special tokens, each message's content with none
+    (ValueError where the template changes a content it is given, trimming it say, so that
+    content cannot be found in what it renders). The template's own errors propagate. text:
+    the messages as the template renders them, where the caller has it already.
+    """
+    if text is None:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values()
+                if token.special]
+    held = [isinstance(message.get("content"), str)
+            and any(special in message["content"] for special in specials)
+            for message in messages]
+    if not any(held):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    # 1. the template rendered with a marker in place of each such content
+    marked = tokenizer.apply_chat_template(
+        [{**message, "content": f"\ue000{i}\ue001"} if held[i] else message
+         for i, message in enumerate(messages)], add_generation_prompt=True, tokenize=False)
+    # 2. the template's pieces with their special tokens, the contents as plain text
+    ids: list[int] = []
+    rebuilt: list[str] = []
+    for n, piece in enumerate(re.split("\ue000(\\d+)\ue001", marked)):
+        if n % 2:  # a marker's message index
+            piece = messages[int(piece)]["content"]
+            ids += tokenizer(piece, add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        rebuilt.append(piece)
+    if "".join(rebuilt) != text:
+        raise ValueError("a message holds a special token's text, and this model's chat "
+                         "template changes message content, so it cannot be kept as text")
+    return ids
 
 
 def encode_prediction(tokenizer: PreTrainedTokenizerBase | None, prediction: Prompt,

@@ -25,6 +25,7 @@ from tokenizers import decoders
 from verispec.errors import PromptTooLongError
 from verispec.params import SamplingParams
 from verispec.server.protocol import APIError
+from verispec.text import chat_ids
 
 TOKENIZE_THREADS = 4  # fast tokenizers release the GIL; a few long prompts run side by side
 TOO_LONG = "context_length_exceeded"  # OpenAI's code for a prompt or max_tokens too long
@@ -84,12 +85,14 @@ class Prompts:
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=False)
+            self._check_text(text)
+            ids = chat_ids(tokenizer, messages)
         except jinja2.TemplateError as err:  # templates may refuse a role order, say
             raise APIError(400, f"the chat template refused the messages: {err}",
                            param="messages") from None
-        self._check_text(text)
-        return self._checked(self._encode(tokenizer(text, add_special_tokens=False)
-                                          ["input_ids"]))
+        except ValueError as err:  # content the template rewrites holds a special token
+            raise APIError(400, str(err), param="messages") from None
+        return self._checked(self._encode(ids))
 
     def _prediction_ids(self, text: str) -> list[int]:
         self._check_text(text, param="prediction", tokens=self.context)
