@@ -216,8 +216,23 @@ BAD_REQUESTS = [
     (b'{"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": true}}', 400,
      "stream_options", "stream is true"),
     (b'{"model": "tiny", "prompt": "hi", "temperature": true}', 400, "temperature", "number"),
-    (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt", "valid string"),
+    (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt", "one prompt a request"),
+    (b'{"model": "tiny", "prompt": [[1, 2], [3]]}', 400, "prompt", "one prompt a request"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": 0.5, "verify": "invariant"}', 400,
+     "verify", "needs a seed"),
+    (b'', 400, None, "no body"),
+    (b'[1, 2]', 400, None, "a JSON object"),
 ]
+
+
+def test_a_body_sent_as_another_content_type_is_named_so(url):
+    """A JSON body sent as text/plain (or with no type) was refused as "Input should be a
+    valid dictionary": the answer says what to send."""
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    for headers in ({"content-type": "text/plain"}, {}):
+        response = httpx.post(f"{url}/v1/completions", content=body, headers=headers)
+        assert response.status_code == 400
+        assert "Content-Type: application/json" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), BAD_REQUESTS)

@@ -279,6 +279,16 @@ def add_error_handlers(app: FastAPI) -> None:
         if errors[0].get("type") == "json_invalid":
             message = f"invalid JSON body: {errors[0].get('ctx', {}).get('error', '')}"
             return await api_error(request, APIError(400, message))
+        if tuple(errors[0]["loc"]) == ("body",):  # no body, or one not read as JSON
+            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                message = (f"the body must be JSON with Content-Type: application/json "
+                           f"(got {kind or 'no Content-Type'})")
+            elif errors[0]["type"] == "missing":
+                message = "the request has no body: send a JSON object"
+            else:
+                message = "the body must be a JSON object"
+            return await api_error(request, APIError(400, message))
         # loc: ("body", field, ...); a union reports one error per member it tried, under a
         # part naming the member ("str", "list[int]", "function-after[unicode_only(), str]")
         paths = [".".join(str(part) for part in e["loc"][1:] if not _names_a_type(part))

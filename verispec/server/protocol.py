@@ -12,6 +12,7 @@ and in the last stream chunk.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    field_validator,
     model_validator,
 )
 
@@ -151,8 +153,8 @@ class SamplingFields(BaseModel):
                 top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
                 min_p=self.min_p or 0.0, seed=self.seed, ignore_eos=self.ignore_eos,
                 stop=self.stop or (), verify=self.verify or "block")
-        except ValueError as err:  # SamplingParams names the field first
-            field = str(err).split(" ", 1)[0]
+        except ValueError as err:  # SamplingParams names the field first ("verify='...")
+            field = re.match(r"\w*", str(err)).group()
             param = "max_tokens" if field == "max_new_tokens" else field
             raise APIError(400, str(err), param=param if param in type(self).model_fields
                            else None) from None
@@ -164,6 +166,16 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[StrictInt]  # text (no chat template) or token ids
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def one_prompt(cls, value):
+        """Several prompts in one request (a list of texts or of id lists) said "should be a
+        valid string ... a valid integer": named for what they are."""
+        if isinstance(value, list) and any(isinstance(item, str | list) for item in value):
+            raise ValueError("one prompt a request: a text or a list of token ids (lists of "
+                             "texts or of token lists are not supported)")
+        return value
 
     def params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, COMPLETION_MAX_TOKENS)
