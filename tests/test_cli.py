@@ -116,6 +116,30 @@ def test_bad_input_exits_2_with_a_message(capsys, model_folders, tmp_path):
         assert "Traceback" not in err
 
 
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(capsys, model_folders,
+                                                                     monkeypatch):
+    """A port in use or a host this machine does not have failed with uvicorn's own error
+    (status 3) once the model had loaded: now `error:` and status 2, and nothing loads."""
+    import socket
+
+    import verispec.cli as cli
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "serve_decoder", no_loading)
+    target = str(model_folders / "target")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv in (["serve", "--target", target, "--port", str(port)],
+                     ["serve", "--target", target, "--host", "999.1.1.1"]):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and "listen" in err and "Traceback" not in err
+
+
 def test_console_script_reports_missing_model_without_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "verispec.cli", "generate", "hi", "--target",

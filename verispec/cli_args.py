@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 from verispec.config import DEFAULT_TREE_WIDTH, DRAFT_QUANTS
 
@@ -148,6 +149,7 @@ def serve_config(args: argparse.Namespace):
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key (or VERISPEC_API_KEY) is empty: give a key, or leave both "
                          "unset to serve without one")
+    check_listenable(args.host, args.port)
     return ServerConfig(
         max_batch=args.max_batch, max_queue=args.max_queue,
         max_body_bytes=DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else
@@ -157,6 +159,23 @@ def serve_config(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout, suffix_cache=args.suffix_cache,
         idle_cache_bytes=None if args.idle_cache_mb is None else args.idle_cache_mb << 20,
         cache_memory=None if args.cache_memory_mb is None else args.cache_memory_mb << 20)
+
+
+def check_listenable(host: str, port: int) -> None:
+    """ValueError where the server could not listen on host:port (an address this machine does
+    not have, a port in use): found before the model loads, not after. The probe's socket is
+    closed at once; the server binds its own."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(f"--host {host!r} is not an address to listen on: {err}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise ValueError(f"cannot listen on {host}:{port}: {err.strerror}") from None
 
 
 def serve_decoder(args: argparse.Namespace):
