@@ -211,6 +211,12 @@ def test_a_runtime_without_exact_prefixes_starts_empty(tokenizer):
     second = run(engine, ids + [3], GREEDY)
     assert second.stats.cached_prompt_tokens == 0
     assert first.token_ids == alone(decoder, ids, GREEDY)
+    # the decoder's own runner too: the same prompt again is computed afresh (reusing it
+    # recomputed the last position alone, in other bits than the prompt's pass gave it, and
+    # the embedded model's greedy answer to one prompt changed from one call to the next)
+    again = [decoder.generate(ids, GREEDY) for _ in range(2)]
+    assert again[1].stats.cached_prompt_tokens == 0
+    assert again[0].token_ids == again[1].token_ids
 
 
 def test_copy_prefix_holds_the_sources_bits(tiny_file):

@@ -245,13 +245,14 @@ class Scheduler:
             total -= size
 
     def _admit(self, request: Request) -> None:
-        """A row joins with a runner and drafter of its own. Own ones keep their caches, so a
-        prompt sharing a prefix with the previous one reuses it. A pooled one keeps its cache
-        where that is exact (the module docstring); else it starts empty, so a row's output
-        never depends on which request had its runner before (a prompt pass's keys and values
-        need not be the same bits as the same positions computed in another prompt's pass).
+        """A row joins with a runner and drafter of its own. Own ones and pooled ones keep
+        their caches where those are exact (the module docstring), so a prompt sharing a
+        prefix with an earlier one reuses it; else they start empty, so a row's output never
+        depends on which request had its runner before (a prompt pass's keys and values need
+        not be the same bits as the same positions computed in another prompt's pass: a dense
+        float32 model's greedy answer to the same prompt changed from one call to the next).
         A row that must start clean (`starts_clean`) starts empty either way."""
-        clean = starts_clean(request.params)
+        clean = starts_clean(request.params) or not self.target.exact_prefixes
         if self._own_runners:
             request.runner = self._own_runners.pop()
             request.drafter = self._own_drafters.pop() if self._own_drafters else None
