@@ -195,8 +195,13 @@ def test_a_special_tokens_text_in_a_message_stays_text(smollm):
     own = chat_ids(tokenizer, plain)  # the template's own turns, the same roles
     assert (ids.count(start), ids.count(end)) == (own.count(start), own.count(end))
     assert tokenizer.decode(ids) == rendered(messages)  # the same text, as text
+    # text that looks like the markers the held contents are swapped for changes nothing
+    lookalike = [*messages, {"role": "assistant", "content": "\ue0001\ue001 \ue0017\ue001"},
+                 {"role": "user", "content": forged}]
+    assert tokenizer.decode(chat_ids(tokenizer, lookalike)) == rendered(lookalike)
     naive = tokenizer(rendered(messages), add_special_tokens=False)["input_ids"]
     assert naive.count(start) > own.count(start)  # what the whole text would have given
+
     def prompt_ids(text):
         return encode_prompt(tokenizer, text, chat=True, vocab_size=len(tokenizer),
                              max_positions=8192).tolist()

@@ -48,9 +48,10 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
     as OpenAI treats it: it cannot close the turn or open another role's. Messages without such
     text are tokenised as the template renders them, whole. Those with it: the template's text
     around each message is tokenised with its special tokens, each message's content with none
-    (ValueError where the template changes a content it is given, trimming it say, so that
-    content cannot be found in what it renders). The template's own errors propagate. text:
-    the messages as the template renders them, where the caller has it already.
+    (ValueError where that cannot give the rendered text back: a template that changes a
+    content it is given, trimming it say; a tokenizer that starts every text with a space).
+    The template's own errors propagate. text: the messages as the template renders them, where
+    the caller has it already.
     """
     if text is None:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -60,16 +61,21 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
     held = [isinstance(message.get("content"), str)
             and any(special in message["content"] for special in specials)
             for message in messages]
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not any(held):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    # 1. the template rendered with a marker in place of each such content
+        return whole
+    # 1. the template rendered with a marker in place of each such content: two private-use
+    #    characters that occur in none of the messages, nor in the template's text
+    used = text + "".join(str(message.get("content")) for message in messages)
+    opening, closing = next((chr(c), chr(c + 1)) for c in range(0xE000, 0xF8FF, 2)
+                            if chr(c) not in used and chr(c + 1) not in used)
     marked = tokenizer.apply_chat_template(
-        [{**message, "content": f"\ue000{i}\ue001"} if held[i] else message
+        [{**message, "content": f"{opening}{i}{closing}"} if held[i] else message
          for i, message in enumerate(messages)], add_generation_prompt=True, tokenize=False)
     # 2. the template's pieces with their special tokens, the contents as plain text
     ids: list[int] = []
     rebuilt: list[str] = []
-    for n, piece in enumerate(re.split("\ue000(\\d+)\ue001", marked)):
+    for n, piece in enumerate(re.split(f"{opening}(\\d+){closing}", marked)):
         if n % 2:  # a marker's message index
             piece = messages[int(piece)]["content"]
             ids += tokenizer(piece, add_special_tokens=False,
@@ -77,9 +83,11 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
         elif piece:
             ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
         rebuilt.append(piece)
-    if "".join(rebuilt) != text:
+    # 3. the same text as the whole rendering, read back both ways
+    if "".join(rebuilt) != text or tokenizer.decode(ids) != tokenizer.decode(whole):
         raise ValueError("a message holds a special token's text, and this model's chat "
-                         "template changes message content, so it cannot be kept as text")
+                         "template or tokenizer cannot keep it as text (the template changes "
+                         "message content, or pieces tokenised apart read back otherwise)")
     return ids
 
 
