@@ -80,27 +80,50 @@ def test_the_prediction_tokens_the_output_copies_are_counted_once():
     assert copied_tokens([1, 11, 2], [1, 10, 10, 2], decode) == 3
     assert copied_tokens([1, 10, 10, 2], [1, 11, 9, 2], decode) == 2  # other text: not copies
     assert copied_tokens([1, 2], [], decode) == 0 and copied_tokens([], [1, 2], decode) == 0
+    broken = {**text, 20: "\ufffd", 21: "\ufffd"}  # two halves of different characters
+    assert copied_tokens([1, 20, 2], [1, 21, 2], lambda ids: "".join(broken[i] for i in ids)) == 2
+
+
+def test_long_alignments_take_their_bounded_paths(monkeypatch):
+    """Sides too long for difflib are cut at tokens found once on each side, and where none
+    is, aligned window by window: the counts stay those of the whole alignment on edits that
+    keep the text's order."""
+    import random
+
+    import verispec.drafters.prediction as prediction_module
+
+    random.seed(0)
+    base = random.sample(range(1000, 3000), 400)  # tokens once each: anchors
+    edited = list(base)
+    for at in (50, 51, 200, 333):
+        edited[at] = 7
+    whole = copied_tokens(base, edited, tuple)
+    monkeypatch.setattr(prediction_module, "DIFFLIB_PAIRS", 64)
+    monkeypatch.setattr(prediction_module, "WINDOW", 32)
+    assert copied_tokens(base, edited, tuple) == whole == 396
+    # the same text three times: no token is found once; windows at the same share align it
+    assert copied_tokens(base * 3, edited * 3, tuple) == 3 * 396
+    # a repetitive output: a common start and end are counted whatever lies between
+    assert copied_tokens([5] + [1, 2] * 500, [6] + [1, 2] * 500, tuple) == 1000
 
 
 def test_the_copied_count_does_not_depend_on_the_drafter(text_target, tokenizer):
     """The same output and prediction give the same accepted and rejected counts whichever
-    drafter ran and however its rounds cut the output, and a prediction equal to the output's
-    text is copied whole even where it tokenises otherwise than the output was written."""
+    drafter ran and however its rounds cut the output (the embedded model's test has a
+    prediction tokenised otherwise than the output was written; this model's text is bytes)."""
     plain = SpeculativeDecoder(text_target, tokenizer, None)
     expected = plain.generate(PROMPT, PARAMS)
-    retokenised = tokenizer(expected.text, add_special_tokens=False).input_ids
-    assert tokenizer.decode(retokenised) == expected.text
-    for prediction in (expected.text, expected.token_ids[:20] + [ord("q")] * 5):
+    ids = expected.token_ids
+    for prediction, copied in ((ids[:20] + [ord("q")] * 5, 20),
+                               (ids[:10] + [ord("q")] * 3 + ids[13:], len(ids) - 3)):
         counts = set()
         for drafter, k in ((None, "auto"), (NgramDrafter(), 2), (NgramDrafter(), 5)):
             decoder = SpeculativeDecoder(text_target, tokenizer, drafter, k=k)
             out = decoder.generate(PROMPT, PARAMS, prediction=prediction)
-            assert out.token_ids == expected.token_ids
+            assert out.token_ids == ids
             counts.add((out.stats.accepted_prediction_tokens,
                         out.stats.rejected_prediction_tokens))
-        assert len(counts) == 1, counts
-        if isinstance(prediction, str):
-            assert counts == {(len(retokenised), 0)}
+        assert counts == {(copied, len(prediction) - copied)}, counts
 
 
 def test_where_the_prediction_has_nothing_the_output_is_looked_up():

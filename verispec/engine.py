@@ -241,7 +241,7 @@ class Engine:
         if request.prediction is not None:  # the prediction's tokens the output copied
             tokenizer = self.model.tokenizer  # without one, only equal ids are copies
             request.stats.accepted_prediction_tokens = copied_tokens(
-                request.prediction.prediction_ids.tolist(), ids,
+                request.prediction.prediction_ids.tolist(), ids[:-1] if stopped_on_eos else ids,
                 tokenizer.decode if tokenizer is not None else tuple)
         return GenerationOutput(text.text, ids, finish_reason, request.stats.finish())
 

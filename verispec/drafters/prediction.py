@@ -24,6 +24,7 @@ n-gram's length, as any lookup's.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 from collections.abc import Callable
 
@@ -128,24 +129,110 @@ class PredictionLookup:
         return int(same.long().cumprod(0).sum())
 
 
+# Alignments whose two sides multiply to at most this many token pairs go to difflib (its time
+# grows with that product on text that repeats itself); larger ones are cut at tokens that
+# occur once on each side first (patience diff), at most ANCHOR_DEPTH times over.
+DIFFLIB_PAIRS = 1 << 18
+ANCHOR_DEPTH = 8
+WINDOW = 256  # where nothing anchors: the sides' parts aligned window by window
+
+
 def copied_tokens(prediction: list[int], output: list[int],
-                  decode: Callable[[list[int]], str]) -> int:
+                  decode: Callable[[list[int]], object]) -> int:
     """How many of the prediction's tokens the output copied: OpenAI's accepted prediction
     tokens, "tokens in the prediction that appeared in the completion" (the rest are its
-    rejected ones). The two are aligned as difflib aligns sequences (the longest matching
-    blocks first, then the same within what lies between): a matched token is copied, and so
-    is every token of an unmatched span that the output writes as the same text in other tokens
-    (the prediction's '\n', '\n' where the output has '\n\n'). It depends on the prediction
-    and the output alone, never on which tokens a draft proposed or how rounds cut the output.
+    rejected ones). The two are aligned in order (`_matched`): a matched token is copied, and
+    so is every token of an unmatched stretch that the output writes as the same text in other
+    tokens (the prediction's '\n', '\n' where the output has '\n\n'; a stretch whose text
+    holds a broken character, U+FFFD, is not compared). It depends on the prediction and the
+    output alone, never on which tokens a draft proposed or how rounds cut the output, and its
+    time is bounded whatever the two hold.
 
     Example: prediction [1, 2, 3, 4], output [1, 2, 9, 4]: 3 copied (1, 2 and 4).
     """
-    # autojunk: tokens that make up over 1% of a long output anchor no block (they still extend
-    # one), which bounds the alignment's time on repetitive text
-    matcher = difflib.SequenceMatcher(None, prediction, output, autojunk=True)
-    copied = 0
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal" or (tag == "replace"
-                              and decode(prediction[i1:i2]) == decode(output[j1:j2])):
-            copied += i2 - i1
+    blocks = _matched(prediction, output, 0, len(prediction), 0, len(output), ANCHOR_DEPTH)
+    copied, i, j = 0, 0, 0
+    for a, b, size in [*blocks, (len(prediction), len(output), 0)]:
+        if a > i and b > j:  # a stretch each side leaves unmatched: the same text?
+            text = decode(prediction[i:a])
+            if text == decode(output[j:b]) and "\ufffd" not in str(text):
+                copied += a - i
+        copied += size
+        i, j = a + size, b + size
     return copied
+
+
+def _matched(a: list[int], b: list[int], a0: int, a1: int, b0: int, b1: int,
+             depth: int) -> list[tuple[int, int, int]]:
+    """Matching blocks (i, j, size) of a[a0:a1] and b[b0:b1], in order: their common start and
+    end; between them difflib's alignment where small enough, else the tokens found once on
+    each side whose order agrees (the longest such run) cut the rest into parts aligned alike,
+    `depth` levels at most (what lies deeper stays unmatched: a count too low, never a wait)."""
+    start = 0
+    while a0 + start < a1 and b0 + start < b1 and a[a0 + start] == b[b0 + start]:
+        start += 1
+    end = 0
+    while a1 - end > a0 + start and b1 - end > b0 + start and a[a1 - 1 - end] == b[b1 - 1 - end]:
+        end += 1
+    head = [(a0, b0, start)] if start else []
+    tail = [(a1 - end, b1 - end, end)] if end else []
+    a0, b0, a1, b1 = a0 + start, b0 + start, a1 - end, b1 - end
+    if a0 == a1 or b0 == b1:
+        return head + tail
+    if (a1 - a0) * (b1 - b0) <= DIFFLIB_PAIRS:
+        matcher = difflib.SequenceMatcher(None, a[a0:a1], b[b0:b1], autojunk=False)
+        middle = [(a0 + i, b0 + j, n) for i, j, n in matcher.get_matching_blocks() if n]
+        return head + middle + tail
+    # tokens once in each side, paired, and the longest run of pairs in order on both sides
+    pairs = []
+    if depth > 0:
+        once_a, once_b = _once(a, a0, a1), _once(b, b0, b1)
+        pairs = _increasing(sorted((i, once_b[t]) for t, i in once_a.items() if t in once_b))
+    middle: list[tuple[int, int, int]] = []
+    i, j = a0, b0
+    for pa, pb in pairs:
+        middle += _matched(a, b, i, pa, j, pb, depth - 1) + [(pa, pb, 1)]
+        i, j = pa + 1, pb + 1
+    if pairs:
+        return head + middle + _matched(a, b, i, a1, j, b1, depth - 1) + tail
+    # nothing anchors (text that repeats itself, or too deep): windows at the same share of
+    # each side, each aligned by difflib
+    windows = -(-max(a1 - a0, b1 - b0) // WINDOW)
+    for w in range(windows):
+        i0, i1 = a0 + (a1 - a0) * w // windows, a0 + (a1 - a0) * (w + 1) // windows
+        j0, j1 = b0 + (b1 - b0) * w // windows, b0 + (b1 - b0) * (w + 1) // windows
+        matcher = difflib.SequenceMatcher(None, a[i0:i1], b[j0:j1], autojunk=False)
+        middle += [(i0 + i, j0 + j, n) for i, j, n in matcher.get_matching_blocks() if n]
+    return head + middle + tail
+
+
+def _once(seq: list[int], first: int, last: int) -> dict[int, int]:
+    """The tokens of seq[first:last] that occur there once, with their index."""
+    seen: dict[int, int] = {}
+    repeated = set()
+    for index in range(first, last):
+        token = seq[index]
+        if token in seen:
+            repeated.add(token)
+        seen[token] = index
+    return {token: index for token, index in seen.items() if token not in repeated}
+
+
+def _increasing(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The longest run of pairs (sorted by their first) whose second ones increase too."""
+    tails: list[int] = []  # tails[k]: the pair ending the best run of length k + 1
+    ends: list[int] = []  # its second
+    before: list[int] = []
+    for n, (_, second) in enumerate(pairs):
+        k = bisect.bisect_left(ends, second)
+        before.append(tails[k - 1] if k else -1)
+        if k == len(tails):
+            tails.append(n)
+            ends.append(second)
+        else:
+            tails[k], ends[k] = n, second
+    run, n = [], tails[-1] if tails else -1
+    while n >= 0:
+        run.append(pairs[n])
+        n = before[n]
+    return run[::-1]
