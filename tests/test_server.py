@@ -218,6 +218,7 @@ BAD_REQUESTS = [
     (b'{"model": "tiny", "prompt": "hi", "temperature": true}', 400, "temperature", "number"),
     (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt", "one prompt a request"),
     (b'{"model": "tiny", "prompt": [[1, 2], [3]]}', 400, "prompt", "one prompt a request"),
+    (b'{"model": "tiny", "prompt": [1, "a"]}', 400, "prompt", "valid integer"),
     (b'{"model": "tiny", "prompt": "hi", "temperature": 0.5, "verify": "invariant"}', 400,
      "verify", "needs a seed"),
     (b'', 400, None, "no body"),
@@ -225,14 +226,26 @@ BAD_REQUESTS = [
 ]
 
 
+def test_a_list_of_one_text_is_that_prompt(client):
+    """Clients that always send `prompt` as a list: one text in a list is that text."""
+    texts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                       temperature=0).choices[0].text
+             for prompt in ("the cat", ["the cat"])]
+    assert texts[0] == texts[1]
+
+
 def test_a_body_sent_as_another_content_type_is_named_so(url):
-    """A JSON body sent as text/plain (or with no type) was refused as "Input should be a
-    valid dictionary": the answer says what to send."""
+    """A JSON body sent as text/plain was refused as "Input should be a valid dictionary":
+    the answer says what to send. (A body with no type at all is read as JSON or refused
+    alike, as the installed FastAPI decides.)"""
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
-    for headers in ({"content-type": "text/plain"}, {}):
-        response = httpx.post(f"{url}/v1/completions", content=body, headers=headers)
-        assert response.status_code == 400
-        assert "Content-Type: application/json" in response.json()["error"]["message"]
+    response = httpx.post(f"{url}/v1/completions", content=body,
+                          headers={"content-type": "text/plain"})
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+    response = httpx.post(f"{url}/v1/completions", content=b"[1, 2]",
+                          headers={"content-type": "application/vnd.api+json"})
+    assert response.json()["error"]["message"] == "the body must be a JSON object"
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), BAD_REQUESTS)

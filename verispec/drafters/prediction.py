@@ -89,11 +89,10 @@ class PredictionLookup:
         n-gram (history [L]: prompt + output so far); else, with a lookup, what followed the
         history's last n-gram earlier in it; an empty draft where neither has any. Called once
         a round."""
-        start, source = self._continuation(history[self.prompt_length:])
-        has_text = start is not None and start < self.prediction_ids.numel()
         if k <= 0:
             return empty_draft()
-        if has_text:
+        start, source = self._continuation(history[self.prompt_length:])
+        if start is not None and start < self.prediction_ids.numel():
             self.cursor = start
             return Draft(self.prediction_ids[start: start + k].clone(), None, source=source)
         if self.lookup is None:

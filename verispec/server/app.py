@@ -281,7 +281,7 @@ def add_error_handlers(app: FastAPI) -> None:
             return await api_error(request, APIError(400, message))
         if tuple(errors[0]["loc"]) == ("body",):  # no body, or one not read as JSON
             kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if kind != "application/json":
+            if kind != "application/json" and not kind.endswith("+json"):
                 message = (f"the body must be JSON with Content-Type: application/json "
                            f"(got {kind or 'no Content-Type'})")
             elif errors[0]["type"] == "missing":

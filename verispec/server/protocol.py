@@ -170,9 +170,13 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def one_prompt(cls, value):
-        """Several prompts in one request (a list of texts or of id lists) said "should be a
-        valid string ... a valid integer": named for what they are."""
-        if isinstance(value, list) and any(isinstance(item, str | list) for item in value):
+        """A list of one text is that text (clients that always send a list); several prompts
+        in one request (texts, or lists of ids) said "should be a valid string ... a valid
+        integer": named for what they are."""
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        if isinstance(value, list) and value and all(isinstance(item, str | list)
+                                                     for item in value):
             raise ValueError("one prompt a request: a text or a list of token ids (lists of "
                              "texts or of token lists are not supported)")
         return value
