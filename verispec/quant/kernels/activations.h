@@ -53,10 +53,11 @@ inline float quantize_block_scalar(const float* x, int64_t count, int8_t* codes,
 }
 
 // A whole block (32 values) in two 16-lane vectors, the same bits as quantize_block_scalar:
-// the largest magnitude is the same in any order (a NaN wins either way), and x / d rounds half
-// to even through the 1.5 * 2^23 shifter as nearbyint does in the default rounding mode (exact
-// for |v| < 2^22, and |x / d| <= 127 here unless 1 / d overflows, where both give +-inf or NaN,
-// which the clamp turns into +-127 or 0).
+// the largest magnitude is the same in any order (a NaN wins either way: of a block's several
+// NaNs another one's payload may be kept, and the row's outputs are NaN all the same), and
+// x / d rounds half to even through the 1.5 * 2^23 shifter as nearbyint does in the default
+// rounding mode (exact for |v| < 2^22, and |x / d| <= 127 here unless 1 / d overflows, where
+// both give +-inf or NaN, which the clamp turns into +-127 or 0).
 inline float quantize_block_lanes(const float* x, int8_t* codes, int32_t half_sums[2]) {
   typedef int8_t Bytes __attribute__((vector_size(16)));
   const auto magnitude = [](Floats v) {
