@@ -194,6 +194,17 @@ def test_streaming_sends_openai_chunks_then_done(client, url, decoder):
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in events) and events[-1] == "data: [DONE]"
+    assert all("usage" not in json.loads(line[6:]) for line in events[:-1])
+
+    # with include_usage, every chunk before the usage chunk says "usage": null (as OpenAI's)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line and line != "data: [DONE]"]
+    *before, final = chunks
+    assert before and all("usage" in chunk and chunk["usage"] is None for chunk in before)
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] > 0
 
 
 BAD_REQUESTS = [

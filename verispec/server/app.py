@@ -186,17 +186,21 @@ def create_app(decoder, model_name: str, config: ServerConfig | None = None,
 
 async def stream(reply: Reply, handle: RequestHandle, clock: Clock, include_usage: bool):
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a request
-    that fails midway ends with an error event instead, so no client takes it for whole."""
+    that fails midway ends with an error event instead, so no client takes it for whole.
+    With include_usage every chunk before the usage chunk says `"usage": null`, as OpenAI's."""
+    def event_of(chunk: dict) -> str:
+        return sse({**chunk, "usage": None} if include_usage else chunk)
+
     if reply.chat:
-        yield sse(reply.chunk("", role=True))
+        yield event_of(reply.chunk("", role=True))
     try:
         while not handle.finished:
             event = await handle.next()
             output = clock.note(event)
             if event.text:
-                yield sse(reply.chunk(event.text))
+                yield event_of(reply.chunk(event.text))
             if output is not None:
-                yield sse(reply.chunk("", output=output))
+                yield event_of(reply.chunk("", output=output))
                 if include_usage:
                     yield sse(reply.usage_chunk(output, handle.prompt_tokens))
     except GenerationFailed:
