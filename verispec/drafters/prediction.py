@@ -179,9 +179,7 @@ def _matched(a: list[int], b: list[int], a0: int, a1: int, b0: int, b1: int,
     if a0 == a1 or b0 == b1:
         return head + tail
     if (a1 - a0) * (b1 - b0) <= DIFFLIB_PAIRS:
-        matcher = difflib.SequenceMatcher(None, a[a0:a1], b[b0:b1], autojunk=False)
-        middle = [(a0 + i, b0 + j, n) for i, j, n in matcher.get_matching_blocks() if n]
-        return head + middle + tail
+        return head + _difflib_blocks(a, b, a0, a1, b0, b1) + tail
     # tokens once in each side, paired, and the longest run of pairs in order on both sides
     pairs = []
     if depth > 0:
@@ -200,9 +198,15 @@ def _matched(a: list[int], b: list[int], a0: int, a1: int, b0: int, b1: int,
     for w in range(windows):
         i0, i1 = a0 + (a1 - a0) * w // windows, a0 + (a1 - a0) * (w + 1) // windows
         j0, j1 = b0 + (b1 - b0) * w // windows, b0 + (b1 - b0) * (w + 1) // windows
-        matcher = difflib.SequenceMatcher(None, a[i0:i1], b[j0:j1], autojunk=False)
-        middle += [(i0 + i, j0 + j, n) for i, j, n in matcher.get_matching_blocks() if n]
+        middle += _difflib_blocks(a, b, i0, i1, j0, j1)
     return head + middle + tail
+
+
+def _difflib_blocks(a: list[int], b: list[int], a0: int, a1: int, b0: int,
+                    b1: int) -> list[tuple[int, int, int]]:
+    """difflib's matching blocks of a[a0:a1] and b[b0:b1], at their places in a and b."""
+    matcher = difflib.SequenceMatcher(None, a[a0:a1], b[b0:b1], autojunk=False)
+    return [(a0 + i, b0 + j, n) for i, j, n in matcher.get_matching_blocks() if n]
 
 
 def _once(seq: list[int], first: int, last: int) -> dict[int, int]:

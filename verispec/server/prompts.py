@@ -86,7 +86,7 @@ class Prompts:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=False)
             self._check_text(text)
-            ids = chat_ids(tokenizer, messages)
+            ids = chat_ids(tokenizer, messages, text)  # rendered once
         except jinja2.TemplateError as err:  # templates may refuse a role order, say
             raise APIError(400, f"the chat template refused the messages: {err}",
                            param="messages") from None

@@ -173,10 +173,11 @@ class CompletionRequest(SamplingFields):
         """A list of one text is that text (clients that always send a list); several prompts
         in one request (texts, or lists of ids) said "should be a valid string ... a valid
         integer": named for what they are."""
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        if not isinstance(value, list) or not value:
+            return value
+        if len(value) == 1 and isinstance(value[0], str):
             return value[0]
-        if isinstance(value, list) and value and all(isinstance(item, str | list)
-                                                     for item in value):
+        if all(isinstance(item, str | list) for item in value):
             raise ValueError("one prompt a request: a text or a list of token ids (lists of "
                              "texts or of token lists are not supported)")
         return value

@@ -70,15 +70,10 @@ inline float quantize_block_lanes(const float* x, int8_t* codes, int32_t half_su
   // 1. the block's largest magnitude, and its scale
   const Floats low = load_lanes(x), high = load_lanes(x + LANES);
   const Floats a = magnitude(low), b = magnitude(high);
-  // folded by halves in registers (lane l + 8 onto l, then l + 4, l + 2, l + 1): a maximum is
-  // exact in any order, and a NaN anywhere wins every step it meets
+  // folded by halves in registers (fold_lanes): a maximum is exact in any order, and a NaN
+  // anywhere wins every step it meets
   const auto larger = [](Floats u, Floats v) { return (u > v || u != u) ? u : v; };
-  Floats m = larger(a, b);
-  m = larger(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  m = larger(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
-  m = larger(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
-  m = larger(m, __builtin_shufflevector(m, m, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
-  const float amax = m[0];  // >= 0 (magnitudes), or NaN
+  const float amax = fold_lanes(larger(a, b), larger);  // >= 0 (magnitudes), or NaN
   const float d = amax / 127.0f;
   const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
   // 2. codes, and their sums per half block
@@ -86,14 +81,10 @@ inline float quantize_block_lanes(const float* x, int8_t* codes, int32_t half_su
   for (int half = 0; half < 2; half++) {
     Floats v = ((half ? high : low) * inverse + shifter) - shifter;
     v = v > 127.0f ? splat(127.0f) : (v < -127.0f ? splat(-127.0f) : (v == v ? v : splat(0.0f)));
-    Ints q = __builtin_convertvector(v, Ints);
+    const Ints q = __builtin_convertvector(v, Ints);
     const Bytes bytes = __builtin_convertvector(q, Bytes);
     std::memcpy(codes + LANES * half, &bytes, sizeof bytes);
-    q = q + __builtin_shufflevector(q, q, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    q = q + __builtin_shufflevector(q, q, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-    q = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-    q = q + __builtin_shufflevector(q, q, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-    half_sums[half] = q[0];  // an integer sum: exact in any order
+    half_sums[half] = fold_lanes(q, [](Ints x, Ints y) { return x + y; });  // exact in any order
   }
   return d;
 }

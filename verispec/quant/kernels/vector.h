@@ -30,14 +30,20 @@ inline Floats load_lanes(const float* p) {
 
 inline void store_lanes(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
 
-// Lanes l + 8, then l + 4, l + 2, l + 1 added onto lane l, as register shuffles (the lanes a
-// step leaves behind are never read).
-inline float lane_sum(Floats v) {
-  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
-  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  v = v + __builtin_shufflevector(v, v, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+// Lane 0 of v folded by halves: combine(lane l, lane l + 8), then l + 4, l + 2, l + 1, as
+// register shuffles (the lanes a step leaves behind are never read). V: Floats or Ints.
+template <class V, class Combine>
+inline auto fold_lanes(V v, Combine combine) {
+  v = combine(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0));
+  v = combine(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
+  v = combine(v, __builtin_shufflevector(v, v, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
+  v = combine(v, __builtin_shufflevector(v, v, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
   return v[0];
+}
+
+// Lanes l + 8, then l + 4, l + 2, l + 1 added onto lane l.
+inline float lane_sum(Floats v) {
+  return fold_lanes(v, [](Floats x, Floats y) { return x + y; });
 }
 
 // Lane t = lane_sum(parts[t]) for 16 vectors at once, bit for bit: the same additions (lane
