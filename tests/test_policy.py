@@ -550,6 +550,31 @@ def test_a_draft_model_pays_for_reading_what_other_sources_write():
     assert share * 512 * (1 - 1 / rate) > prices.catch_up(215)
 
 
+def test_a_catch_up_is_priced_by_the_draft_models_acceptance_over_many_rounds():
+    """Reading what it fell behind by is paid once and repaid over the rest of the output, so
+    it is priced by the draft model's acceptance over its last ~50 rounds, not by the last few
+    rounds K follows: a model that met a few hard tokens after 40 good rounds still catches
+    up (priced by the last few rounds it would not, and would never draft again in the row),
+    and one rejected all along does not."""
+    prices = dataclasses.replace(costs(0.3, [1.0, 1.2, 1.4, 1.6, 1.8]),
+                                 draft_catch_up_s=0.004)  # 0.08 steps a token
+    policy = AdaptiveK()
+    for _ in range(40):
+        policy.update(0, 3, 3)
+    for _ in range(8):
+        policy.update(0, 1, 0)  # a hard stretch: the first token rejected
+    assert policy.gamma(0) < 0.6 < 0.85 < policy.lasting.gamma
+    assert policy.catch_up_pays(prices, lag=80, remaining=200)
+    gamma = policy.gamma(0)  # priced by the last few rounds alone
+    k = optimal_k(gamma, prices.draft_step, prices.verify, prices.k_max)
+    rate = expected_speedup(gamma, k, prices.draft_step, prices.v(k + 1))
+    assert 200 * (1 - 1 / rate) < prices.catch_up(80)
+    rejected = AdaptiveK()
+    for _ in range(48):
+        rejected.update(0, 1, 0)
+    assert not rejected.catch_up_pays(prices, lag=80, remaining=200)
+
+
 def test_a_few_rounds_a_prediction_leaves_do_not_call_the_draft_model_back():
     """The draft model's share of the output is taken over many rounds: a changed line of a
     code edit (a few rounds the prediction has nothing for) after a long copied stretch does

@@ -198,6 +198,20 @@ def test_a_draft_model_held_back_drafts_again_once_its_probes_gain():
     assert not observed.at_a_loss() and not observed.holds_back()
 
 
+def test_a_new_row_is_judged_on_its_own_drafting_rounds():
+    """What drafting rounds give is the text's: a row that starts after rows at a loss is not
+    held back until its own rounds lose; plain rounds' rate is the machine's and stays."""
+    observed = ObservedCosts()
+    rounds_of(observed, False, 30, STEP_S, 1)
+    rounds_of(observed, True, 30, 1.5 * STEP_S, 1)
+    assert observed.at_a_loss() and observed.holds_back()
+    observed.new_row()
+    assert not observed.at_a_loss() and not observed.holds_back()
+    assert observed.rate(False) == pytest.approx(1 / STEP_S)
+    rounds_of(observed, True, observed.min_rounds, 1.5 * STEP_S, 1)
+    assert observed.at_a_loss()
+
+
 def test_the_planner_holds_back_a_losing_draft_model_for_a_lone_greedy_row_only():
     """The draft model priced to pay (K = 1 at the measured prices) sits out once its rounds
     lose, but for its probes; lookups are still asked for; a sampled row is planned at the
@@ -219,5 +233,9 @@ def test_the_planner_holds_back_a_losing_draft_model_for_a_lone_greedy_row_only(
     held = [planner.plan([greedy]).rows[0] for _ in range(observed.probe_every - 1)]
     assert all(row.k == 0 and row.free_k == plan.rows[0].free_k for row in held)
     assert planner.plan([greedy]).rows[0].k == 1  # the probe
+    # another row's draft model is judged on its own rounds: it drafts from its first round
+    other = lone_request()
+    assert planner.plan([other]).rows[0].k == 1 and not observed.at_a_loss()
+    assert observed.plain.rounds == 30  # the machine's plain rounds carry over
     sampled_plan = planner.plan([sampled])
     assert sampled_plan.measured is None and sampled_plan.rows[0].k >= 1

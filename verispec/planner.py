@@ -88,6 +88,7 @@ class RoundPlanner:
         models as measured)."""
         self.drafter, self.config, self.batch_costs = drafter, config, batch_costs
         self.observed = observed
+        self._row = None  # the policy of the lone row `observed` last learnt from
 
     def plan(self, requests: Sequence[Request]) -> RoundPlan:
         rows = len(requests)
@@ -125,8 +126,11 @@ class RoundPlanner:
         # 2. Lookups: as many as a lookup may propose; keep() cuts them by kind.
         free_ks = [r.policy.next_k(row_prices, width, free=True)
                    for r, width in zip(requests, widths, strict=True)]
-        #    A lone greedy row's draft model whose rounds have given fewer tokens a second than
-        #    plain rounds sits the round out (but for its probes).
+        #    A lone greedy row's draft model whose rounds on this row have given fewer tokens a
+        #    second than plain rounds sits the round out (but for its probes).
+        if measured is not None and requests[0].policy is not self._row:
+            self._row = requests[0].policy
+            self.observed.new_row()
         if measured is not None and ks[0] and self.observed.holds_back():
             ks = [0]
         # 3. A greedy chain stops early where the drafter's own confidence no longer pays at

@@ -172,6 +172,10 @@ class AdaptiveK:
     # expected to write most of its output. Estimated over about as long as it is extrapolated
     # to (`model_share`).
     model_rounds: AcceptanceEstimate = field(default_factory=lambda: model_share(1.0))
+    # The draft model's acceptance over about as many rounds (`lasting_estimate`): what a
+    # catch-up, paid once and repaid over the rest of the output, is priced with
+    # (`catch_up_pays`), where K each round follows the last few rounds (`gamma`).
+    lasting: AcceptanceEstimate | None = None
     # Acceptance by source over the decoder's earlier requests (shared by their policies, one
     # table per kind of row): a new request's estimate of a source starts from it instead of
     # the fixed prior, so a short request already trusts the long lookups others found good.
@@ -242,6 +246,10 @@ class AdaptiveK:
             every = self.config.probe_every
             estimate.probe_gap = min(2 * estimate.probe_gap, MAX_PROBE_GAPS * every) \
                 if probed else every
+        if source == 0 and checked:
+            if self.lasting is None:
+                self.lasting = lasting_estimate(self._estimate(0).prior)
+            self.lasting.update(checked, num_accepted)
         written = num_accepted + 1  # the round's tokens: the accepted ones and the target's
         self.model_rounds.update(written, written if source == 0 else 0)
         if self.shared is not None and checked:
@@ -254,7 +262,7 @@ class AdaptiveK:
         lookups and a prediction added while it waited) should read them and draft this round:
         what it would save over the rest of the output (`remaining` tokens, at most
         config.catch_up_horizon, in the share of the output its rounds write, at the speedup of
-        its best K) beats what the reading costs (`CostModel.catch_up`): the lag now, and the
+        its best K at its acceptance over its last ~50 rounds, `lasting_estimate`) beats what the reading costs (`CostModel.catch_up`): the lag now, and the
         rest of those tokens, which lookups and a prediction will write and it must read before
         it drafts again. A lag a round's own draft step absorbs (up to k_max + 1 tokens) is
         never in question.
@@ -282,7 +290,7 @@ class AdaptiveK:
         if lag <= prices.k_max + 1 or prices.draft_catch_up_s <= 0.0:
             return True
         if batch_margin is None:
-            gamma = self.gamma(0)
+            gamma = self.gamma(0) if self.lasting is None else self.lasting.gamma
             k = self._best_k(prices, gamma, 1)
         else:
             gamma = self._estimate(0).observed
@@ -377,6 +385,17 @@ def model_share(prior: float) -> AcceptanceEstimate:
     draft model back to read all the prediction had written since it last drafted: on three
     code edits the 1.5B's 0.5B draft read 397 tokens in five such rounds, 1.1 s, for 25
     tokens."""
+    return AcceptanceEstimate(prior, prior_weight=2.0, decay=SHARE_DECAY)
+
+
+def lasting_estimate(prior: float) -> AcceptanceEstimate:
+    """The draft model's acceptance over about the last 50 rounds of a row, for a price paid
+    once and repaid over many rounds (`AdaptiveK.catch_up_pays`). The estimate K follows
+    weighs the last few rounds: after a hard stretch it prices drafting out, the row runs
+    without its draft model, and the draft falls behind by what the next rounds write; priced
+    by that same estimate, the catching up looks worse with every round it waits (on one code
+    prompt the Qwen2.5-Coder pair's 0.5B fell to 0.50 for a moment, 0.61 over its rounds, and
+    did not draft again in the remaining 49 tokens)."""
     return AcceptanceEstimate(prior, prior_weight=2.0, decay=SHARE_DECAY)
 
 

@@ -27,7 +27,8 @@ a second of plain rounds (one position verified, no draft model asked) and of ro
 model proposed in (its proposal kept or cut), each a running sum that forgets its older
 rounds (`record_round`). A draft model whose rounds give fewer tokens a second than plain
 rounds drafts at a loss whatever the prices say, and sits rounds out (`holds_back`), all but
-one in `probe_every`, which learn its rate again as the text changes. On AMD Zen 4 the
+one in `probe_every`, which learn its rate again as the text changes. Its rate is judged on
+each row's own drafting rounds (`new_row`); the plain rate carries over. On AMD Zen 4 the
 embedded SmolLM2's feature draft, priced at c 0.13-0.15 and v(2) 1.00, took 1.8 ms of
 drafting and a pass 1.17 times a plain one in its rounds: 6.4 ms a token against plain
 decoding's 5.9; priced by its proposals and held back, it went from 0.92x to 0.95x plain
@@ -146,6 +147,16 @@ class ObservedCosts:
         """Whether the draft model's rounds have given fewer tokens a second than plain ones."""
         plain, drafting = self.rate(False), self.rate(True)
         return plain is not None and drafting is not None and drafting < plain
+
+    def new_row(self) -> None:
+        """A lone row starts (or comes back alone): its draft model's rounds are judged on its
+        own text. What plain rounds give is the machine's and carries over; what drafting
+        rounds give is the text's. Judged by the rounds of the request before, the Qwen2.5-Coder
+        pair's 0.5B, slower than plain rounds on one code prompt (acceptance 0.59), sat out the
+        next prompts from their first round, fell behind by what they wrote, and never drafted
+        in them (acceptance 0.85-0.9 where it drafts): eight code prompts ran at 1.12x plain
+        against the draft model alone's 1.31x."""
+        self.drafting, self.waited = RoundYield(), 0
 
     def holds_back(self) -> bool:
         """Asked once a round the planner would have the draft model draft: whether it sits
