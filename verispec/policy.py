@@ -262,10 +262,10 @@ class AdaptiveK:
         lookups and a prediction added while it waited) should read them and draft this round:
         what it would save over the rest of the output (`remaining` tokens, at most
         config.catch_up_horizon, in the share of the output its rounds write, at the speedup of
-        its best K at its acceptance over its last ~50 rounds, `lasting_estimate`) beats what the reading costs (`CostModel.catch_up`): the lag now, and the
-        rest of those tokens, which lookups and a prediction will write and it must read before
-        it drafts again. A lag a round's own draft step absorbs (up to k_max + 1 tokens) is
-        never in question.
+        its best K at its acceptance over its last ~50 rounds, `lasting_estimate`) beats what
+        the reading costs (`CostModel.catch_up`): the lag now, and the rest of those tokens,
+        which lookups and a prediction will write and it must read before it drafts again. A
+        lag a round's own draft step absorbs (up to k_max + 1 tokens) is never in question.
 
         Example: a row with a prediction that writes 87% of the output, a 215-token prompt
         unread, reading at 0.04 steps a token and the model's rounds at 1.6x plain: over 512
