@@ -199,9 +199,10 @@ def test_a_draft_model_held_back_drafts_again_once_its_probes_gain():
 
 
 def test_a_new_row_is_judged_on_its_own_drafting_rounds():
-    """What drafting rounds give is the text's: a row that starts after rows at a loss is not
-    held back until its own rounds lose; plain rounds' rate is the machine's and stays."""
-    observed = ObservedCosts()
+    """What a draft model's rounds give is the text's: a row that starts after rows at a loss
+    is not held back until its own rounds lose; plain rounds' rate is the machine's and stays.
+    A feature draft's rounds cost more than its prices say on any text: its rate carries."""
+    observed = ObservedCosts(corrects_draft=False)
     rounds_of(observed, False, 30, STEP_S, 1)
     rounds_of(observed, True, 30, 1.5 * STEP_S, 1)
     assert observed.at_a_loss() and observed.holds_back()
@@ -210,13 +211,18 @@ def test_a_new_row_is_judged_on_its_own_drafting_rounds():
     assert observed.rate(False) == pytest.approx(1 / STEP_S)
     rounds_of(observed, True, observed.min_rounds, 1.5 * STEP_S, 1)
     assert observed.at_a_loss()
+    feature = ObservedCosts(corrects_draft=True)
+    rounds_of(feature, False, 30, STEP_S, 1)
+    rounds_of(feature, True, 30, 1.5 * STEP_S, 1)
+    feature.new_row()
+    assert feature.at_a_loss()
 
 
 def test_the_planner_holds_back_a_losing_draft_model_for_a_lone_greedy_row_only():
     """The draft model priced to pay (K = 1 at the measured prices) sits out once its rounds
     lose, but for its probes; lookups are still asked for; a sampled row is planned at the
     measured prices whatever the rounds took."""
-    observed = ObservedCosts()
+    observed = ObservedCosts(corrects_draft=False)  # a draft model's
     greedy, sampled = lone_request(), lone_request(greedy=False)
     planner = RoundPlanner(greedy.drafter, DecodeConfig(), lambda rows: MEASURED, observed)
     plan = planner.plan([greedy])

@@ -155,8 +155,11 @@ class ObservedCosts:
         pair's 0.5B, slower than plain rounds on one code prompt (acceptance 0.59), sat out the
         next prompts from their first round, fell behind by what they wrote, and never drafted
         in them (acceptance 0.85-0.9 where it drafts): eight code prompts ran at 1.12x plain
-        against the draft model alone's 1.31x."""
-        self.drafting, self.waited = RoundYield(), 0
+        against the draft model alone's 1.31x. A feature draft's rounds cost more than its
+        prices say on any text (`corrects_draft`): its rate carries over (judged afresh on
+        each request, the embedded SmolLM2's default ran 2-4% slower)."""
+        if not self.corrects_draft:
+            self.drafting, self.waited = RoundYield(), 0
 
     def holds_back(self) -> bool:
         """Asked once a round the planner would have the draft model draft: whether it sits
