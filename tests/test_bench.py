@@ -320,6 +320,25 @@ def test_verify_modes_of_one_method_share_one_cost_model(model_folders, tmp_path
             "draft[k=auto][invariant]): draft step c = ") in report
 
 
+def test_methods_of_one_draft_model_are_priced_by_one_measurement(model_folders, tmp_path,
+                                                                  monkeypatch):
+    """The draft-model method and the default beside lookups draft with one model on one
+    target: one measurement prices both (measured apart, each would be priced by its own
+    minute of machine noise), and n-gram and suffix lookups share another; each decoder
+    still keeps its own record of what its rounds took."""
+    measured = _count_measurements(monkeypatch)
+    config = BenchConfig(engine=EngineConfig(target=str(model_folders / "target"),
+                                             draft=str(model_folders / "draft")),
+                         methods=("baseline", "draft", "hybrid", "ngram", "suffix"), limit=1,
+                         max_new_tokens=6, out=tmp_path / "out")
+    results = run_bench(config, progress=False)
+    assert measured == [("one-row", 1), ("one-row", 1)]
+    costs = results["costs"]
+    assert costs["draft"]["verify"] == costs["hybrid"]["verify"]
+    assert costs["draft"]["draft_step"] == costs["hybrid"]["draft_step"]
+    assert costs["ngram"]["verify"] == costs["suffix"]["verify"]
+
+
 def test_batched_bench_runs_each_verify_mode_on_shared_cost_models(model_folders, tmp_path,
                                                                      monkeypatch):
     """The batched benchmark runs each method under its own verify mode, and a method's verify

@@ -81,6 +81,16 @@ class CostTable:
             self._keep(1, costs)
         return self._models[1]
 
+    def share_measurements(self, other: CostTable) -> None:
+        """Price with the cost models `other` measures (or has measured), each table keeping
+        its own record of what its rounds took (`observed`): one measurement for the decoders
+        of one target and draft model compared in a benchmark (its draft-model method and
+        the default beside lookups). Measured apart, two of them differed by the machine's
+        drift (v(2) 1.04 against 1.22 a minute later), and each method was priced by its own
+        noise."""
+        self._models, self._estimated = other._models, other._estimated
+        self._read = True
+
     def prices(self, batch: int) -> CostModel:
         """The cost model a batch of `batch` rows is priced with now: its size's (the next
         measured size up, `DecodeConfig.cost_batch_size`) where measured, else scaled from
@@ -132,7 +142,9 @@ class CostTable:
     def remeasure(self, max_batch: int = 1) -> dict[int, CostModel]:
         """Measure the one-row model and every size up to max_batch's afresh, and make them
         the cost cache's models of this configuration (`verispec costs`)."""
-        self._read, self._models, self._estimated = True, {}, set()
+        self._read = True
+        self._models.clear()
+        self._estimated.clear()
         self.one_row()
         for size in self.unmeasured(max_batch):
             self.measure(size)

@@ -161,6 +161,16 @@ class Runners:
 def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assistant_model,
                   head_token_ids, eos_ids: frozenset[int]):
     methods, notes = [], []
+    # decoders of one target and draft model (or of lookups) are priced by one measurement:
+    # the first one's (`CostTable.share_measurements`)
+    measured: dict[str, SpeculativeDecoder] = {}
+
+    def priced_alike(decoder: SpeculativeDecoder, kind: str) -> None:
+        if kind in measured:
+            decoder.cost_table.share_measurements(measured[kind].cost_table)
+        else:
+            measured[kind] = decoder
+
     for name in config.methods:
         if name == "hf-assisted" and runners.feature_drafter is not None:
             notes.append("hf-assisted skipped: the draft reads the target's features, which "
@@ -190,6 +200,8 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
                     # so that they take the same K decisions and differ only in verification.
                     if first is None:
                         first = decoder
+                        priced_alike(decoder, "lookup" if name in ("ngram", "suffix")
+                                     else "model")
                     else:
                         decoder.share_costs(first)
                     label = group if len(config.verifies) == 1 else f"{group}[{verify}]"
@@ -197,10 +209,11 @@ def build_methods(config: BenchConfig, model, tokenizer, runners: Runners, assis
         elif name in ("predicted", "hybrid-predicted"):
             drafter = None if name == "predicted" else _drafter("hybrid", model, runners,
                                                                   head_token_ids)
-            methods.append(VerispecMethod(name, SpeculativeDecoder(
-                model, tokenizer, drafter, k=config.ks[0], runtime=runners.target,
-                config=config.engine.decode),
-                takes_prediction=True))
+            decoder = SpeculativeDecoder(model, tokenizer, drafter, k=config.ks[0],
+                                         runtime=runners.target, config=config.engine.decode)
+            if drafter is not None:
+                priced_alike(decoder, "model")
+            methods.append(VerispecMethod(name, decoder, takes_prediction=True))
         elif name == "hf-baseline":
             methods.append(HFMethod(name, model, eos_ids))
         elif name == "hf-ngram":
