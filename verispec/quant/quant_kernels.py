@@ -90,9 +90,8 @@ def _build(path: str) -> ModuleType | None:
     module = kernel_build.build_extension(f"verispec_quant_{path}", sources,
                                           sorted(SOURCES.glob("*.h")), FLAGS[path],
                                           f"quantised kernels ({path} path)")
-    if module is not None:  # measured on Intel CPUs (panels.h); AMD keeps its own prefetcher's
-        intel = cpu.vendor() == "GenuineIntel"
-        module.set_prefetch(lone_row=intel, far=16 if intel else 0)
+    if module is not None:  # measured on Intel and AMD CPUs (panels.h)
+        module.set_prefetch(lone_row=cpu.vendor() == "GenuineIntel", far=16)
     return module
 
 

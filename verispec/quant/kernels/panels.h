@@ -56,9 +56,11 @@ namespace vq {
 //     where `prefetch_lone_row` (on AMD Zen 4 the hardware prefetcher keeps pace with one row,
 //     and software prefetches 8 blocks ahead cost ~7% of a Qwen2.5-1.5B step; on an Intel Xeon 4
 //     ahead, the AVX-512 kernel's kLoneAhead, take 16% off it);
-//   - into L2, `prefetch_far` blocks ahead (0: not), for every row count: on an Intel Xeon the
-//     stream from memory then keeps enough lines in flight (16 ahead: the 1.5B's one-token step
-//     a further -10%, two rows -23%, the 0.5B's step -13%; -25% on the AVX2 kernel).
+//   - into L2, `prefetch_far` blocks ahead (0: not), for every row count: the stream from
+//     memory then keeps enough lines in flight. 16 ahead, on an Intel Xeon: the 1.5B's
+//     one-token step a further -10%, two rows -23%, the 0.5B's step -13%, -25% on the AVX2
+//     kernel; on an AMD EPYC Zen 4 (medians, alternated with none): the 1.5B's one-token step
+//     -16 to -24%, 5 positions -13%, 9 -15%, the 0.5B's step -13%, SmolLM2's -7%.
 inline bool& prefetch_lone_row() {
   static bool on = false;
   return on;
