@@ -60,6 +60,13 @@ struct Part {
   bool panels;
   int64_t out_features, in_features;  // N, K
   torch::Tensor bias;                 // [N] float32, or empty
+  // read once here: a pass multiplies ~50,000 units of 16 outputs, and each tensor accessor
+  // costs a few checks (~2% of a Qwen2.5-1.5B step when they were asked a unit)
+  const uint8_t* bytes = nullptr;  // data's
+  int64_t stride = 0;              // bytes of a panel, or of a row
+  const float* bias_values = nullptr;
+  PanelFn panel_kernel = nullptr;
+  RowsFn rows_kernel = nullptr;
 
   Part(torch::Tensor data_, int64_t type_, bool panels_, int64_t n, int64_t k,
        torch::Tensor bias_)
@@ -82,6 +89,13 @@ struct Part {
     TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 &&
                                       bias.numel() == n && bias.is_contiguous()),
                 "bias: [out_features] float32");
+    bytes = data.data_ptr<uint8_t>();
+    stride = data.size(1);
+    bias_values = bias.numel() ? bias.data_ptr<float>() : nullptr;
+    if (panels)
+      panel_kernel = panels_for(int(type));
+    else
+      rows_kernel = rows_for(int(type));
   }
 };
 
@@ -91,6 +105,24 @@ inline int64_t out_features(const Projection& projection) {
   int64_t n = 0;
   for (const Part& part : projection) n += part.out_features;
   return n;
+}
+
+// 16 outputs of one part: the unit the threads share out in a product.
+struct Unit {
+  int32_t part;
+  int32_t first;   // the part's output where the unit starts (a multiple of 16)
+  int64_t column;  // the projection's output where it starts (first, after the earlier parts')
+};
+
+inline std::vector<Unit> units_of(const Projection& projection) {
+  std::vector<Unit> units;
+  int64_t column = 0;
+  for (size_t p = 0; p < projection.size(); p++) {
+    for (int64_t n = 0; n < projection[p].out_features; n += PANEL)
+      units.push_back({int32_t(p), int32_t(n), column + n});
+    column += projection[p].out_features;
+  }
+  return units;
 }
 
 struct LayerWeights {
@@ -109,6 +141,9 @@ struct Decoder {
   torch::Tensor cos, sin;  // [max_positions, d] float32 rotary tables (llama.py's rope_tables)
   torch::Tensor final_norm;  // [H] float32, or empty
   Projection head;           // H -> vocabulary, or none
+  // each layer's four products' units (qkv, out, gate_up, down), and the head's
+  std::vector<std::array<std::vector<Unit>, 4>> layer_units;
+  std::vector<Unit> head_units;
 
   Decoder(Shape shape_, std::vector<LayerWeights> layers_, torch::Tensor cos_, torch::Tensor sin_,
           torch::Tensor final_norm_, Projection head_)
@@ -144,7 +179,10 @@ struct Decoder {
       check(layer.out, h, shape.heads * d, "out");
       check(layer.gate_up, 2 * inter, h, "gate_up");
       check(layer.down, h, inter, "down");
+      layer_units.push_back({units_of(layer.qkv), units_of(layer.out), units_of(layer.gate_up),
+                             units_of(layer.down)});
     }
+    head_units = units_of(head);
   }
 };
 
@@ -180,20 +218,6 @@ struct QuantisedRows {
   }
 };
 
-// 16 outputs of one part: the unit the threads share out in a product.
-struct Unit {
-  int32_t part;
-  int32_t first;  // the part's output where the unit starts (a multiple of 16)
-};
-
-inline std::vector<Unit> units_of(const Projection& projection) {
-  std::vector<Unit> units;
-  for (size_t p = 0; p < projection.size(); p++)
-    for (int64_t n = 0; n < projection[p].out_features; n += PANEL)
-      units.push_back({int32_t(p), int32_t(n)});
-  return units;
-}
-
 // Activation rows a product takes through one weight unit before the next: a prompt chunk's
 // rows in blocks whose codes stay in L2 while the thread's share of the weight streams past.
 constexpr int64_t ROW_BLOCK = 32;
@@ -202,28 +226,23 @@ constexpr int64_t ROW_BLOCK = 32;
 inline void multiply_unit(const Projection& projection, const Unit& unit, const QuantisedRows& x,
                           int64_t first, int64_t last, float* out, int64_t ldy) {
   const Part& part = projection[unit.part];
-  int64_t column = unit.first;
-  for (int32_t p = 0; p < unit.part; p++) column += projection[p].out_features;
+  const int64_t column = unit.column;
   const int64_t K = part.in_features, count = std::min<int64_t>(PANEL, part.out_features - unit.first);
   const Activations acts = x.view();
-  const uint8_t* data = part.data.data_ptr<uint8_t>();
   if (part.panels) {
-    const PanelFn kernel = panels_for(int(part.type));
     const PanelSums sums = x.panel_sums_view();
-    const uint8_t* panel = data + unit.first / PANEL * part.data.size(1);
+    const uint8_t* panel = part.bytes + unit.first / PANEL * part.stride;
     for (int64_t r0 = first; r0 < last; r0 += PANEL_TILE)
-      kernel(panel, K, acts, sums, r0, std::min<int64_t>(PANEL_TILE, last - r0),
-             out + r0 * ldy + column, ldy);
+      part.panel_kernel(panel, K, acts, sums, r0, std::min<int64_t>(PANEL_TILE, last - r0),
+                        out + r0 * ldy + column, ldy);
   } else {
-    const RowsFn kernel = rows_for(int(part.type));
-    const int64_t row_bytes = part.data.size(1);
     for (int64_t n = 0; n < count; n++)
       for (int64_t r0 = first; r0 < last; r0 += MAX_TILE)
-        kernel(data + (unit.first + n) * row_bytes, K, acts, r0,
-               std::min<int64_t>(MAX_TILE, last - r0), out + r0 * ldy + column + n, ldy);
+        part.rows_kernel(part.bytes + (unit.first + n) * part.stride, K, acts, r0,
+                         std::min<int64_t>(MAX_TILE, last - r0), out + r0 * ldy + column + n, ldy);
   }
-  if (part.bias.numel()) {
-    const float* bias = part.bias.data_ptr<float>() + unit.first;
+  if (part.bias_values) {
+    const float* bias = part.bias_values + unit.first;
     for (int64_t r = first; r < last; r++)
       for (int64_t n = 0; n < count; n++) out[r * ldy + column + n] += bias[n];
   }
@@ -269,6 +288,15 @@ class Team {
   std::atomic<int> threads_{1}, arrived_{0}, generation_{0};
 };
 
+// Units a thread takes at a time from another's share, and at least from its own: few enough
+// that the last ones even out the threads' finish.
+constexpr int64_t UNITS_PER_TAKE = 2;
+// From its own share a thread takes an eighth of what is left (at least UNITS_PER_TAKE): a
+// product's ~1,000 units on two threads cost ~70 atomic takes instead of ~500 (a Qwen2.5-1.5B
+// step 2-5% less on a Zen 4), and what is left for the other thread to help with still shrinks
+// to 2 units.
+constexpr int64_t OWN_SHARE = 8;
+
 // One thread's share of a product's units, which the other threads may help finish: its owner
 // takes chunks from the front, a thread done with its own share takes them from the back (both
 // ends in one word, so every unit is taken once). Which thread multiplies a unit never changes
@@ -279,14 +307,16 @@ class Share {
   void set(int64_t first, int64_t last) {
     ends_.store(uint64_t(first) << 32 | uint64_t(last), std::memory_order_relaxed);
   }
-  // Up to `chunk` units [first, last) from the front or the back; first == last when none is left.
+  // Units [first, last) from the back (up to `chunk`) or the front (up to the larger of `chunk`
+  // and an OWN_SHARE-th of what is left); first == last when none is left.
   std::pair<int64_t, int64_t> take(int64_t chunk, bool from_back) {
     uint64_t ends = ends_.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t front = int64_t(ends >> 32), back = int64_t(ends & 0xffffffffu);
       if (front >= back) return {0, 0};
       const int64_t first = from_back ? std::max(front, back - chunk) : front;
-      const int64_t last = from_back ? back : std::min(back, front + chunk);
+      const int64_t last =
+          from_back ? back : std::min(back, front + std::max(chunk, (back - front) / OWN_SHARE));
       const uint64_t rest = from_back ? uint64_t(front) << 32 | uint64_t(first)
                                       : uint64_t(last) << 32 | uint64_t(back);
       if (ends_.compare_exchange_weak(ends, rest, std::memory_order_relaxed)) return {first, last};
@@ -296,9 +326,6 @@ class Share {
  private:
   alignas(64) std::atomic<uint64_t> ends_{0};
 };
-
-// Units a thread takes at a time: few enough that the last ones even out the threads' finish.
-constexpr int64_t UNITS_PER_TAKE = 2;
 
 // y [rows, N] = x . projection^T inside the pass's team: each thread its own share of the units
 // (shares[me.thread], set to the static split before the phase), then what is left of the
@@ -615,14 +642,8 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       for (int64_t first = 0; first < members; first += size)
         tasks.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});
   }
-  const std::vector<Unit> head_units = num_wanted ? units_of(decoder.head) : std::vector<Unit>{};
-  std::vector<std::vector<Unit>> units[4];
-  for (const LayerWeights& layer : decoder.layers) {
-    units[0].push_back(units_of(layer.qkv));
-    units[1].push_back(units_of(layer.out));
-    units[2].push_back(units_of(layer.gate_up));
-    units[3].push_back(units_of(layer.down));
-  }
+  const std::vector<Unit> no_units;
+  const std::vector<Unit>& head_units = num_wanted ? decoder.head_units : no_units;
 
   // 3. Buffers of the pass.
   float* hidden = x.data_ptr<float>();
@@ -651,7 +672,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
   const int64_t num_products = num_layers * 4 + 1;
   std::vector<Share> shares(num_products * std::max(1, at::get_num_threads()));
   const auto product_units = [&](int64_t p) -> const std::vector<Unit>& {
-    return p < num_layers * 4 ? units[p % 4][p / 4] : head_units;
+    return p < num_layers * 4 ? decoder.layer_units[p / 4][p % 4] : head_units;
   };
   // attention tasks are taken in turn (rows attend over caches of different lengths): one
   // counter a layer
@@ -683,7 +704,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       }
       me.wait();
       // 2. Fused q/k/v (rotary order, bias added).
-      product(me, w.qkv, units[0][layer], by_hidden, n, qkv.data(), share + (layer * 4) * me.threads);
+      product(me, w.qkv, decoder.layer_units[layer][0], by_hidden, n, qkv.data(), share + (layer * 4) * me.threads);
       // 3. Rotary on q and k; keys and values into each row's cache.
       for (int64_t i = i0; i < i1; i++) {
         float* at = &qkv[i * qkv_width];
@@ -721,7 +742,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       for (int64_t i = i0; i < i1; i++) by_heads.quantise(&attended[i * q_width], q_width, i);
       me.wait();
       // 5. Output projection onto the residual stream; the MLP norm.
-      product(me, w.out, units[1][layer], by_heads, n, y.data(),
+      product(me, w.out, decoder.layer_units[layer][1], by_heads, n, y.data(),
               share + (layer * 4 + 1) * me.threads);
       for (int64_t i = i0; i < i1; i++) {
         float* row = hidden + i * h;
@@ -731,7 +752,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       }
       me.wait();
       // 6. SwiGLU MLP; its residual joins at the next layer's step 1.
-      product(me, w.gate_up, units[2][layer], by_hidden, n, gate_up.data(),
+      product(me, w.gate_up, decoder.layer_units[layer][2], by_hidden, n, gate_up.data(),
               share + (layer * 4 + 2) * me.threads);
       // (with fewer positions than threads, each position's blocks are split over the threads)
       const int64_t slices = n < me.threads ? me.threads : 1, blocks = by_inter.padded / QK;
@@ -745,7 +766,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
         by_inter.quantise(&act[i * inter], inter, i, b0, b1);
       }
       me.wait();
-      product(me, w.down, units[3][layer], by_inter, n, y.data(),
+      product(me, w.down, decoder.layer_units[layer][3], by_inter, n, y.data(),
               share + (layer * 4 + 3) * me.threads);
     }
     for (int64_t i = i0; i < i1; i++) finish_layer(i, num_layers);
