@@ -245,3 +245,21 @@ def test_the_planner_holds_back_a_losing_draft_model_for_a_lone_greedy_row_only(
     assert observed.plain.rounds == 30  # the machine's plain rounds carry over
     sampled_plan = planner.plan([sampled])
     assert sampled_plan.measured is None and sampled_plan.rows[0].k >= 1
+
+
+def test_a_row_back_alone_after_a_batch_keeps_its_record():
+    """The record restarts for a lone row other than the last one planned alone: a row that
+    shared rounds with another and runs alone again is still held back by its own losing
+    rounds; the other row, alone next, is judged afresh."""
+    observed = ObservedCosts(corrects_draft=False)
+    first, second = lone_request(), lone_request()
+    planner = RoundPlanner(first.drafter, DecodeConfig(), lambda rows: MEASURED, observed)
+    plan = planner.plan([first])
+    for _ in range(30):
+        planner.observe(plan, 1, STEP_S, 0, 0.0, 0, STEP_S, 1)
+        planner.observe(plan, 2, 1.1 * STEP_S, 1, 0.25 * STEP_S, 1, 1.5 * STEP_S, 1)
+    assert observed.at_a_loss()
+    planner.plan([first, second])
+    assert observed.at_a_loss()
+    assert planner.plan([first]).rows[0].k == 0  # held back by its own rounds
+    assert planner.plan([second]).rows[0].k == 1 and not observed.at_a_loss()

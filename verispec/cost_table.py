@@ -88,6 +88,7 @@ class CostTable:
         the default beside lookups). Measured apart, two of them differed by the machine's
         drift (v(2) 1.04 against 1.22 a minute later), and each method was priced by its own
         noise."""
+        other._read_cache()  # what it has measured before, whichever table asks first
         self._models, self._estimated = other._models, other._estimated
         self._read = True
 

@@ -23,7 +23,7 @@ from verispec.config import MAX_TREE_NODES, DecodeConfig
 from verispec.costs import CostModel
 from verispec.drafters.drafter import ChainCut, Draft, empty_draft, unread
 from verispec.drafters.hybrid import HybridDrafter, tree_width_of
-from verispec.policy import AdaptiveK
+from verispec.policy import AdaptiveK, KPolicy
 from verispec.request import Request
 from verispec.round_costs import ObservedCosts
 from verispec.theory import batch_allocation, batch_optimal_k
@@ -88,7 +88,7 @@ class RoundPlanner:
         models as measured)."""
         self.drafter, self.config, self.batch_costs = drafter, config, batch_costs
         self.observed = observed
-        self._row = None  # the policy of the lone row `observed` last learnt from
+        self._row: KPolicy | None = None  # the policy of the row last planned alone
 
     def plan(self, requests: Sequence[Request]) -> RoundPlan:
         rows = len(requests)

@@ -170,8 +170,8 @@ class AdaptiveK:
     # up once it has caught up, and how much of it, written by the others, it would have to
     # read on the way (`catch_up_pays`). A row with a prediction starts low: the prediction is
     # expected to write most of its output. Estimated over about as long as it is extrapolated
-    # to (`model_share`).
-    model_rounds: AcceptanceEstimate = field(default_factory=lambda: model_share(1.0))
+    # to (`lasting_estimate`).
+    model_rounds: AcceptanceEstimate = field(default_factory=lambda: lasting_estimate(1.0))
     # The draft model's acceptance over about as many rounds (`lasting_estimate`): what a
     # catch-up, paid once and repaid over the rest of the output, is priced with
     # (`catch_up_pays`), where K each round follows the last few rounds (`gamma`).
@@ -190,7 +190,7 @@ class AdaptiveK:
         shared: the decoder's acceptance by source over earlier requests (`shared_estimates`)."""
         policy = cls(config, sampling=sampling, shared=shared)
         if predicted:
-            policy.model_rounds = model_share(0.25)
+            policy.model_rounds = lasting_estimate(0.25)
         return policy
 
     def gamma(self, source: int = 0) -> float:
@@ -373,30 +373,26 @@ class AdaptiveK:
 MAX_PROBE_GAPS = 16
 
 
-# How fast the share of the output the draft model's rounds write forgets (a round's weight).
-SHARE_DECAY = 0.98
-
-
-def model_share(prior: float) -> AcceptanceEstimate:
-    """The share of a row's output its draft model's rounds write (`AdaptiveK.model_rounds`),
-    over the last ~50 rounds, for every row: it is extrapolated over up to catch_up_horizon
-    tokens. Estimated over the last few rounds, as acceptance is, it followed every stretch a
-    prediction had nothing for (a changed line of a code edit: a few rounds) and called the
-    draft model back to read all the prediction had written since it last drafted: on three
-    code edits the 1.5B's 0.5B draft read 397 tokens in five such rounds, 1.1 s, for 25
-    tokens."""
-    return AcceptanceEstimate(prior, prior_weight=2.0, decay=SHARE_DECAY)
+# How fast `lasting_estimate` forgets (a round's weight): ~50 rounds.
+LASTING_DECAY = 0.98
 
 
 def lasting_estimate(prior: float) -> AcceptanceEstimate:
-    """The draft model's acceptance over about the last 50 rounds of a row, for a price paid
-    once and repaid over many rounds (`AdaptiveK.catch_up_pays`). The estimate K follows
-    weighs the last few rounds: after a hard stretch it prices drafting out, the row runs
-    without its draft model, and the draft falls behind by what the next rounds write; priced
-    by that same estimate, the catching up looks worse with every round it waits (on one code
-    prompt the Qwen2.5-Coder pair's 0.5B fell to 0.50 for a moment, 0.61 over its rounds, and
-    did not draft again in the remaining 49 tokens)."""
-    return AcceptanceEstimate(prior, prior_weight=2.0, decay=SHARE_DECAY)
+    """A rate over about a row's last 50 rounds, for what is extrapolated over many rounds
+    where the acceptance K follows weighs the last few:
+    - the share of the output the draft model's rounds write (`AdaptiveK.model_rounds`), over
+      up to catch_up_horizon tokens. Estimated over the last few rounds, it followed every
+      stretch a prediction had nothing for (a changed line of a code edit) and called the
+      draft model back to read all the prediction had written since it last drafted: on three
+      code edits the 1.5B's 0.5B draft read 397 tokens in five such rounds, 1.1 s, for 25
+      tokens;
+    - the draft model's acceptance that prices a catch-up, paid once and repaid over many
+      rounds (`AdaptiveK.lasting`). Priced by the last few rounds, after a hard stretch the
+      row ran without its draft model, the draft fell behind by what the next rounds wrote,
+      and the catching up looked worse with every round it waited (on one code prompt the
+      Qwen2.5-Coder pair's 0.5B fell to 0.50 for a moment, 0.61 over its rounds, and did not
+      draft again in the remaining 49 tokens)."""
+    return AcceptanceEstimate(prior, prior_weight=2.0, decay=LASTING_DECAY)
 
 
 def shared_estimate(prior: float) -> AcceptanceEstimate:

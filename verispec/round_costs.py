@@ -149,15 +149,17 @@ class ObservedCosts:
         return plain is not None and drafting is not None and drafting < plain
 
     def new_row(self) -> None:
-        """A lone row starts (or comes back alone): its draft model's rounds are judged on its
-        own text. What plain rounds give is the machine's and carries over; what drafting
-        rounds give is the text's. Judged by the rounds of the request before, the Qwen2.5-Coder
-        pair's 0.5B, slower than plain rounds on one code prompt (acceptance 0.59), sat out the
-        next prompts from their first round, fell behind by what they wrote, and never drafted
-        in them (acceptance 0.85-0.9 where it drafts): eight code prompts ran at 1.12x plain
-        against the draft model alone's 1.31x. A feature draft's rounds cost more than its
-        prices say on any text (`corrects_draft`): its rate carries over (judged afresh on
-        each request, the embedded SmolLM2's default ran 2-4% slower)."""
+        """A lone row other than the last one planned alone: its draft model's rounds are
+        judged on its own text (a row that comes back alone after sharing rounds with others
+        keeps its record, unless another row ran alone in between). What plain rounds give is
+        the machine's and carries over; what drafting rounds give is the text's. Judged by the
+        rounds of the request before, the Qwen2.5-Coder pair's 0.5B, slower than plain rounds
+        on one code prompt (acceptance 0.59), sat out the next prompts from their first round,
+        fell behind by what they wrote, and never drafted in them (acceptance 0.85-0.9 where it
+        drafts): eight code prompts ran at 1.12x plain against the draft model alone's 1.31x.
+        A feature draft's rounds cost more than its prices say on any text (`corrects_draft`):
+        its rate carries over (judged afresh on each request, the embedded SmolLM2's default
+        ran 2-4% slower)."""
         if not self.corrects_draft:
             self.drafting, self.waited = RoundYield(), 0
 

@@ -90,7 +90,7 @@ def _build(path: str) -> ModuleType | None:
     module = kernel_build.build_extension(f"verispec_quant_{path}", sources,
                                           sorted(SOURCES.glob("*.h")), FLAGS[path],
                                           f"quantised kernels ({path} path)")
-    if module is not None:  # measured on Intel and AMD CPUs (panels.h)
+    if module is not None:  # measured on Intel and AMD CPUs (panels.h); other vendors alike
         module.set_prefetch(lone_row=cpu.vendor() == "GenuineIntel", far=16)
     return module
 

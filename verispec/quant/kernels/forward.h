@@ -334,10 +334,13 @@ inline void product(const Team::Member& me, const Projection& projection,
                     const std::vector<Unit>& units, const QuantisedRows& x, int64_t rows,
                     float* y, Share* shares) {
   const int64_t ldy = out_features(projection);
+  // UNITS_PER_TAKE units at a time through every block of rows: a prompt chunk's row blocks
+  // each read those units' weights, which stay in L2 (a take of an eighth of a share would not)
   const auto multiply = [&](std::pair<int64_t, int64_t> taken) {
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
-      for (int64_t u = taken.first; u < taken.second; u++)
-        multiply_unit(projection, units[u], x, r0, std::min(rows, r0 + ROW_BLOCK), y, ldy);
+    for (int64_t u0 = taken.first; u0 < taken.second; u0 += UNITS_PER_TAKE)
+      for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
+        for (int64_t u = u0; u < std::min(taken.second, u0 + UNITS_PER_TAKE); u++)
+          multiply_unit(projection, units[u], x, r0, std::min(rows, r0 + ROW_BLOCK), y, ldy);
   };
   for (int64_t other = 0; other < me.threads; other++) {
     Share& share = shares[(me.thread + other) % me.threads];
@@ -704,7 +707,8 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       }
       me.wait();
       // 2. Fused q/k/v (rotary order, bias added).
-      product(me, w.qkv, decoder.layer_units[layer][0], by_hidden, n, qkv.data(), share + (layer * 4) * me.threads);
+      product(me, w.qkv, decoder.layer_units[layer][0], by_hidden, n, qkv.data(),
+              share + (layer * 4) * me.threads);
       // 3. Rotary on q and k; keys and values into each row's cache.
       for (int64_t i = i0; i < i1; i++) {
         float* at = &qkv[i * qkv_width];
