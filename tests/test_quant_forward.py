@@ -19,7 +19,7 @@ from verispec.quant.quantized_model import GGUFModel
 from verispec.runtime.native import gguf_model
 from verispec.runtime.native.cache import TreeLinks
 from verispec.runtime.native.llama import RowPass
-from verispec.runtime.native.native_runner import NativeRunner
+from verispec.runtime.native.native_runner import MAX_CHAIN_UNREAD, NativeRunner
 
 IDS = torch.randint(0, 94, (48,), generator=torch.Generator().manual_seed(3))
 
@@ -139,11 +139,30 @@ def test_a_greedy_chain_is_the_passes_and_their_argmax(tiny_file, path):
     assert tokens == want and chained.cached_length == 35
     assert torch.equal(chained.cache.features[:35], passed.cache.features[:35])
     assert torch.equal(chained.logits(ids, 1), passed.logits(ids, 1))  # the same cache
-    # declined: a history that parts from the cache, or two tokens past it
-    other = torch.cat([ids, ids[:1]])
-    other[3] = (other[3] + 1) % 94
-    for history in (other, torch.cat([ids, ids[:2]])):
+    # declined: a history of which nothing is cached, or more than MAX_CHAIN_UNREAD past it
+    other = ids.clone()
+    other[0] = (other[0] + 1) % 94
+    for history in (other, torch.cat([ids, IDS[:MAX_CHAIN_UNREAD + 1]])):
         assert chained.greedy_chain(history, 3) is None and chained.cached_length == 36
+
+
+def test_a_greedy_chain_reads_what_its_cache_lacks_in_its_first_pass(tiny_file, path):
+    """A draft that lags by two tokens (a round that accepted every draft token), or whose
+    cache holds a rejected token past the history, chains from there in one call: the same
+    tokens, features and cache as passes over the same positions and their argmax."""
+    for cached, history in ((IDS[:30], IDS[:32]), (IDS[:31], torch.cat([IDS[:29], IDS[40:42]]))):
+        chained, passed = NativeRunner(native(tiny_file)), NativeRunner(native(tiny_file))
+        chained.logits(cached, 1)
+        passed.logits(cached, 1)
+        tokens, _ = chained.greedy_chain(history, 4)
+        ids, want = history, []
+        for _ in range(4):
+            want.append(int(passed.logits(ids, 1)[0].argmax()))
+            ids = torch.cat([ids, torch.tensor(want[-1:])])
+        assert tokens == want and chained.cached_length == len(history) + 3
+        assert torch.equal(chained.cache.features[:len(ids) - 1],
+                           passed.cache.features[:len(ids) - 1])
+        assert torch.equal(chained.logits(ids, 1), passed.logits(ids, 1))
 
 
 def test_a_draft_chain_is_cut_where_chain_cut_says(tiny_file, path):

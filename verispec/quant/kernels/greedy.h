@@ -72,24 +72,31 @@ struct Chain {
   int64_t passes = 0;              // steps run (the last one's token may have been dropped)
 };
 
-// A lone row's greedy chain: step j feeds `token` (then the token step j - 1 chose) at slot
-// start + j of the row's cache (its features row start + j left holding the last hidden
-// state, as a pass leaves it), and chooses the first largest logit of the head, mapped
-// through head_ids where given ([W] int64: the draft head's token ids). Up to `steps` steps;
+// A lone row's greedy chain: the first step feeds `unread` (the m >= 1 tokens of the history
+// its cache lacks) at slots start .. start + m - 1 of the row's cache, step j > 0 the token
+// step j - 1 chose at slot start + m - 1 + j (each position's features row left holding its
+// last hidden state, as a pass leaves it); each step chooses the first largest logit of the
+// head at its last position, mapped through head_ids where given ([W] int64: the draft
+// head's token ids). The first step is the pass forward_rows would run over the same
+// positions: a draft that lags by the last round's bonus token and its own last token (every
+// fully accepted round) reads both in the chain's call. Up to `steps` steps;
 // the embedding's rows are `hidden` wide, of a quantised type (the caller checks). With
 // prices, this call's token j (P its cumulative probability, E 1 + the P's of the chain's
 // tokens before it) is dropped and the chain ends unless P keep_a[j] > E keep_b[j], and it
 // ends after that token unless P more_a[j] > (E + P) more_b[j]: ChainCut's keeps and goes_on,
 // in its operation order.
 inline Chain greedy_chain(const Decoder& decoder, const torch::Tensor& embedding,
-                          int64_t embedding_type, int64_t token, torch::Tensor features,
-                          torch::Tensor keys, torch::Tensor values, int64_t start, int64_t steps,
-                          torch::Tensor logits, const torch::Tensor& head_ids,
-                          const ChainPrices& prices) {
+                          int64_t embedding_type, const std::vector<int64_t>& unread,
+                          torch::Tensor features, torch::Tensor keys, torch::Tensor values,
+                          int64_t start, int64_t steps, torch::Tensor logits,
+                          const torch::Tensor& head_ids, const ChainPrices& prices) {
   const int64_t hidden = decoder.shape.hidden, width = logits.size(1);
+  const int64_t first = int64_t(unread.size());  // positions of the first step
+  TORCH_CHECK(first >= 1, "a chain starts from at least one unread token");
   TORCH_CHECK(features.dim() == 2 && features.is_contiguous() &&
               features.scalar_type() == torch::kFloat32 && features.size(1) == hidden &&
-              start >= 0 && start + steps <= features.size(0), "features: [capacity, hidden]");
+              start >= 0 && start + first - 1 + steps <= features.size(0),
+              "features: [capacity, hidden]");
   TORCH_CHECK(head_ids.numel() == 0 || (head_ids.scalar_type() == torch::kInt64 &&
                                         head_ids.is_contiguous() && head_ids.numel() == width),
               "head_ids: [W] int64, or empty");
@@ -105,14 +112,19 @@ inline Chain greedy_chain(const Decoder& decoder, const torch::Tensor& embedding
     before += p;
   }
   Chain chain;
+  std::vector<int64_t> fed = unread;  // the tokens a step feeds
   for (int64_t j = 0; j < steps; j++) {
-    // 1. the token's embedding row, one pass, the head's largest logit
-    TORCH_CHECK(token >= 0 && token < embedding.size(0), "token out of the embedding");
-    torch::Tensor x = features.narrow(0, start + j, 1);
-    dequantize_row(int(embedding_type), embedding.data_ptr<uint8_t>() + token * embedding.size(1),
-                   hidden, x.data_ptr<float>());
-    const PassRows rows{{keys}, {values}, {start + j}, {1}, {}, {}, {}};
-    forward_layers(x, decoder, rows, torch::empty({0}), {}, {0}, logits);
+    // 1. the tokens' embedding rows, one pass, the head's largest logit at the last
+    const int64_t slot = j == 0 ? start : start + first - 1 + j, count = int64_t(fed.size());
+    torch::Tensor x = features.narrow(0, slot, count);
+    for (int64_t i = 0; i < count; i++) {
+      TORCH_CHECK(fed[i] >= 0 && fed[i] < embedding.size(0), "token out of the embedding");
+      dequantize_row(int(embedding_type),
+                     embedding.data_ptr<uint8_t>() + fed[i] * embedding.size(1), hidden,
+                     x.data_ptr<float>() + i * hidden);
+    }
+    const PassRows rows{{keys}, {values}, {slot}, {count}, {}, {}, {}};
+    forward_layers(x, decoder, rows, torch::empty({0}), {}, {count - 1}, logits);
     chain.passes++;
     const auto [index, probability] = greedy_top(logits.data_ptr<float>(), width);
     const int64_t chosen = head_ids.numel() ? head_ids.data_ptr<int64_t>()[index] : index;
@@ -125,7 +137,7 @@ inline Chain greedy_chain(const Decoder& decoder, const torch::Tensor& embedding
       break;
     last = cumulative;
     before += cumulative;
-    token = chosen;
+    fed.assign(1, chosen);
   }
   return chain;
 }

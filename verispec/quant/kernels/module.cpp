@@ -297,7 +297,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // probabilities, passes run).
   m.def("greedy_chain",
         [](const vq::Decoder& decoder, const torch::Tensor& embedding, int64_t embedding_type,
-           int64_t token, torch::Tensor features, torch::Tensor keys, torch::Tensor values,
+           std::vector<int64_t> unread, torch::Tensor features, torch::Tensor keys,
+           torch::Tensor values,
            int64_t start, int64_t steps, torch::Tensor logits, const torch::Tensor& head_ids,
            std::vector<double> prior, std::vector<double> keep_a, std::vector<double> keep_b,
            std::vector<double> more_a, std::vector<double> more_b) {
@@ -305,14 +306,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       "embedding rows must be hidden wide");
           const vq::ChainPrices prices{std::move(keep_a), std::move(keep_b), std::move(more_a),
                                        std::move(more_b), std::move(prior)};
-          vq::Chain chain = vq::greedy_chain(decoder, embedding, embedding_type, token,
+          vq::Chain chain = vq::greedy_chain(decoder, embedding, embedding_type, unread,
                                              std::move(features), std::move(keys),
                                              std::move(values), start, steps,
                                              std::move(logits), head_ids, prices);
           return py::make_tuple(chain.tokens, chain.cumulative, chain.passes);
         },
         py::kw_only(), py::arg("decoder"), py::arg("embedding"), py::arg("embedding_type"),
-        py::arg("token"), py::arg("features"), py::arg("keys"), py::arg("values"),
+        py::arg("unread"), py::arg("features"), py::arg("keys"), py::arg("values"),
         py::arg("start"), py::arg("steps"), py::arg("logits"), py::arg("head_ids"),
         py::arg("prior") = std::vector<double>(), py::arg("keep_a") = std::vector<double>(),
         py::arg("keep_b") = std::vector<double>(), py::arg("more_a") = std::vector<double>(),

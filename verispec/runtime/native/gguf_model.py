@@ -130,11 +130,12 @@ class GGUFLlama(NativeLlama):
             head=projection(head) if in_pass else [])
 
     @torch.inference_mode()
-    def greedy_chain(self, cache, start: int, token: int, steps: int,
+    def greedy_chain(self, cache, start: int, unread: list[int], steps: int,
                      head_ids: torch.Tensor | None = None, cut=None, prior: list[float] = ()
                      ) -> tuple[list[int], list[float], int] | None:
-        """A lone row's greedy chain in one C++ call (kernels/greedy.h): from `token` at slot
-        `start` of `cache` (which holds the slots before it), up to `steps` passes, each the
+        """A lone row's greedy chain in one C++ call (kernels/greedy.h): from the `unread`
+        tokens at slots `start` on of `cache` (which holds the slots before them; the first
+        pass reads them all), up to `steps` passes, each the
         next position's and its first largest logit (mapped through head_ids [W], a trimmed
         head's token ids), cut as `cut` (a ChainCut; `prior`: the P's of the chain's tokens
         drafted before) decides. Returns (tokens, their cumulative probabilities, passes run);
@@ -146,7 +147,7 @@ class GGUFLlama(NativeLlama):
         if chain is None or self.fused is None or not self.fused.has_head or cache.tap_layers \
                 or not getattr(embed, "quantized", False):
             return None
-        cache.reserve(start + steps)
+        cache.reserve(start + len(unread) - 1 + steps)
         if cache.features.dtype != torch.float32:
             return None
         prices = {}
@@ -158,7 +159,8 @@ class GGUFLlama(NativeLlama):
                       "keep_b": [b for _, b in keep], "more_a": [a for a, _ in more],
                       "more_b": [b for _, b in more]}
         return chain(decoder=self.fused, embedding=embed.data, embedding_type=int(embed.qtype),
-                     token=token, features=cache.features, keys=cache.keys, values=cache.values,
+                     unread=unread, features=cache.features, keys=cache.keys,
+                     values=cache.values,
                      start=start, steps=steps, logits=torch.empty(1, self.lm_head.out_features),
                      head_ids=torch.empty(0, dtype=torch.long) if head_ids is None else head_ids,
                      **prices)

@@ -18,6 +18,10 @@ from verispec.runtime.native.cache import TreeLinks, check_taps
 from verispec.runtime.native.llama import NativeLlama, RowPass
 from verispec.runtime.runner import PrefixRunner, common_prefix
 
+# The most history tokens a greedy chain's first pass reads (more: a catch-up, which goes
+# through `logits` and its prompt chunks).
+MAX_CHAIN_UNREAD = 8
+
 
 class NativeRunner(PrefixRunner):
     """One sequence of a NativeLlama, with its own KV cache. The cache is indexed by position, so
@@ -128,16 +132,20 @@ class NativeRunner(PrefixRunner):
 
     def greedy_chain(self, ids: torch.Tensor, steps: int, head_ids: torch.Tensor | None = None,
                      cut=None, prior: list[float] = ()) -> tuple[list[int], list[float]] | None:
-        """A greedy draft chain after ids [L] in one call, where the cache holds all of ids but
-        the last token and the model can run one (`GGUFLlama.greedy_chain`, whose arguments
-        these are): (tokens, their cumulative probabilities); None otherwise, with nothing
-        done. The cache then holds ids and every chosen token fed to a later step."""
+        """A greedy draft chain after ids [L] in one call, where the cache holds a prefix of
+        ids and at most MAX_CHAIN_UNREAD of them are left to read (its first pass reads them:
+        the last round's bonus token and, after a round that accepted every draft token, the
+        draft's own last one; slots past the prefix are written over), and the model can run
+        one (`GGUFLlama.greedy_chain`, whose arguments these are): (tokens, their cumulative
+        probabilities); None otherwise, with nothing done. The cache then holds ids and every
+        chosen token fed to a later step."""
         chain = getattr(self.model, "greedy_chain", None)
-        length = int(ids.numel()) - 1
-        if chain is None or self._tree is not None or length < 1 \
-                or self.cached_length != length or common_prefix(self._cached_ids, ids) != length:
+        if chain is None or self._tree is not None:
             return None
-        result = chain(self.cache, length, int(ids[-1]), steps, head_ids, cut, prior)
+        cached = common_prefix(self._cached_ids, ids)
+        if cached < 1 or not 1 <= int(ids.numel()) - cached <= MAX_CHAIN_UNREAD:
+            return None
+        result = chain(self.cache, cached, ids[cached:].tolist(), steps, head_ids, cut, prior)
         if result is None:
             return None
         tokens, cumulative, passes = result
