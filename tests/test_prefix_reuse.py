@@ -282,16 +282,22 @@ def test_a_copied_start_reaches_the_draft_model_too(tiny_file, tmp_path, params)
     draft_model = decoder.drafter.model.runner.model
     engine = decoder.engine(4)
     run(engine, PROMPT_A, params)
-    read: list[int] = []
-    forward_rows = GGUFLlama.forward_rows
+    read: list[int] = []  # the positions of each of the draft model's passes
+    forward_rows, greedy_chain = GGUFLlama.forward_rows, GGUFLlama.greedy_chain
 
     def spy(model, rows, inputs=None):
         if model is draft_model:
             read.extend(int(row.ids.numel()) for row in rows)
         return forward_rows(model, rows, inputs)
 
+    def chain_spy(model, cache, start, unread, *args, **kwargs):  # its first pass's
+        if model is draft_model:
+            read.append(len(unread))
+        return greedy_chain(model, cache, start, unread, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(GGUFLlama, "forward_rows", spy)
+        patch.setattr(GGUFLlama, "greedy_chain", chain_spy)
         second = run(engine, PROMPT_B, params)
     assert second.stats.cached_prompt_tokens == len(START)
     assert read and read[0] <= len(PROMPT_B) - len(START)  # the draft's first pass: the rest
