@@ -368,6 +368,41 @@ def test_measure_costs_prices_what_the_passes_and_draft_steps_took(monkeypatch):
     assert measured.at(48).verify[1] == pytest.approx(0.5 * (short[1] + long[1]) / step)
 
 
+class SlowingDrafter(TimedDrafter):
+    """A TimedDrafter on a machine that slows down to half speed as the drafter is first asked
+    (after the target's passes were timed): from then on every draft step and every target
+    pass (`SlowingTarget`) takes twice as long."""
+
+    def propose(self, history, k, params, generator):
+        self.clock.slow = 2.0
+        before = self.clock.now
+        super().propose(history, k, params, generator)
+        self.clock.now += self.clock.now - before  # twice as long
+
+
+class SlowingTarget(TimedTarget):
+    def sibling(self) -> SlowingTarget:
+        return SlowingTarget(self.clock)
+
+    def logits(self, history: torch.Tensor, n: int) -> torch.Tensor:
+        before = self.clock.now
+        out = super().logits(history, n)
+        self.clock.now += (getattr(self.clock, "slow", 1.0) - 1.0) * (self.clock.now - before)
+        return out
+
+
+def test_the_draft_step_is_priced_against_a_target_step_of_the_same_moment(monkeypatch):
+    """c is a draft step over a one-token target pass timed in the same rounds: a machine that
+    slows down between the target's passes and the draft's steps slows both alike (timed
+    apart, c came out twice what the two cost at any one moment)."""
+    clock = VirtualClock()
+    monkeypatch.setattr("verispec.costs.time", clock)
+    measured = measure_costs(SlowingTarget(clock), SlowingDrafter(clock), k_max=4,
+                             context=SHORT, repeats=3, long_context=0)
+    assert measured.target_step_s == pytest.approx(PASS_S[SHORT][0])  # timed before it slowed
+    assert measured.draft_step == pytest.approx(DRAFT_S[SHORT] / PASS_S[SHORT][0])
+
+
 class DriftingTarget(TimedTarget):
     """A TimedTarget on a machine that slows down as it goes: every pass after the first
     `steady` takes twice its time, and each pass it times is noted by its context."""
