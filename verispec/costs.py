@@ -269,7 +269,6 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
         times = fastest([lambda: drafter.propose(step, 1, params, None),
                          lambda: drafter.propose(history, 1, params, None),
                          lambda: pair.logits(step, 1)], repeats)
-        del pair
         return times[0], times[2]
 
     def catch_up_time(history: torch.Tensor) -> float:
