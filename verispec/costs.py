@@ -242,34 +242,30 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
         return [lambda n=n: runner.logits(torch.cat([history, extra[:n]]), n)
                 for n in range(1, k_max + 2)]
 
-    def draft_time(history: torch.Tensor, params: SamplingParams | None = None) -> float:
+    def draft_time(history: torch.Tensor, params: SamplingParams | None = None,
+                   paired: bool = False) -> tuple[float, float]:
+        """Seconds of one draft token after history and, where `paired`, of a one-token target
+        pass after it timed in the same rounds (on a sibling holding history, so the drafter's
+        own target is left as it is; else 0.0). c is their ratio: timed minutes apart the two
+        took the machine's state of two moments (a noisy VM's read bandwidth moves a step by
+        ~40% from minute to minute: the Qwen2.5-Coder pair's c measured 0.41 where it is
+        ~0.28, and its default drafted with the 0.5B in 21 rounds of ~300). (0.0, 1.0)
+        without a drafter."""
         if drafter is None:
-            return 0.0
+            return 0.0, 1.0
         params = params or SamplingParams()
         rng = None if params.greedy else torch.Generator().manual_seed(0)
         drafter.propose(history, 1, params, rng)
         # One draft token after the history: the drafter's cache holds all but the last token.
-        step = [lambda: drafter.propose(torch.cat([history, extra[:1]]), 1, params, rng),
-                lambda: drafter.propose(history, 1, params, rng)]
-        return fastest(step, repeats)[0]
-
-    def paired_step_times(history: torch.Tensor) -> tuple[float, float]:
-        """(a draft step, a one-token target pass) after history, timed in the same rounds:
-        c is their ratio, and timed minutes apart the two took the machine's state of two
-        moments (a noisy VM's read bandwidth moves a step by ~40% from minute to minute: the
-        Qwen2.5-Coder pair's c measured 0.41 where it is ~0.28, and its default drafted with
-        the 0.5B in 21 rounds of ~300). The target's pass runs on a sibling holding history,
-        so the drafter's own target is left as it is."""
-        if drafter is None:
-            return 0.0, 1.0
-        pair = target.sibling()
-        pair.logits(history, 1)
-        params, step = SamplingParams(), torch.cat([history, extra[:1]])
-        drafter.propose(history, 1, params, None)
-        times = fastest([lambda: drafter.propose(step, 1, params, None),
-                         lambda: drafter.propose(history, 1, params, None),
-                         lambda: pair.logits(step, 1)], repeats)
-        return times[0], times[2]
+        step = torch.cat([history, extra[:1]])
+        timed = [lambda: drafter.propose(step, 1, params, rng),
+                 lambda: drafter.propose(history, 1, params, rng)]
+        if paired:
+            pair = target.sibling()
+            pair.logits(history, 1)
+            timed.append(lambda: pair.logits(step, 1))
+        times = fastest(timed, repeats)
+        return times[0], times[2] if paired else 0.0
 
     def catch_up_time(history: torch.Tensor) -> float:
         """Seconds a drafter with an empty cache takes per history token before it proposes
@@ -296,13 +292,13 @@ def measure_costs(target, drafter, k_max: int = 8, context: int = 128, repeats: 
         times = fastest(passes(short_runner, history) + passes(target, long_history), repeats)
         pass_s, long_s = times[:k_max + 1], times[k_max + 1:]
         long_verify, long_step = verify_curve(long_s), long_s[0] / pass_s[0]
-        long_draft = draft_time(long_history) / long_s[0]
+        long_draft = draft_time(long_history)[0] / long_s[0]
         target.logits(history, 1)  # the target holds the short history for the draft timings
     else:
         history = prefilled(target, context)
         pass_s = fastest(passes(target, history), repeats)
-    draft_s, paired_step_s = paired_step_times(history)
-    sampled_s = max(0.0, draft_time(history, SamplingParams(temperature=1.0)) - draft_s)
+    draft_s, paired_step_s = draft_time(history, paired=True)
+    sampled_s = max(0.0, draft_time(history, SamplingParams(temperature=1.0))[0] - draft_s)
     return CostModel(draft_step=draft_s / paired_step_s, verify=verify_curve(pass_s),
                      target_step_s=pass_s[0], long_verify=long_verify,
                      contexts=(context, long_context), long_draft_step=long_draft,

@@ -645,8 +645,6 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
       for (int64_t first = 0; first < members; first += size)
         tasks.push_back({int64_t(r), kv_head, first, std::min(members, first + size)});
   }
-  const std::vector<Unit> no_units;
-  const std::vector<Unit>& head_units = num_wanted ? decoder.head_units : no_units;
 
   // 3. Buffers of the pass.
   float* hidden = x.data_ptr<float>();
@@ -675,7 +673,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
   const int64_t num_products = num_layers * 4 + 1;
   std::vector<Share> shares(num_products * std::max(1, at::get_num_threads()));
   const auto product_units = [&](int64_t p) -> const std::vector<Unit>& {
-    return p < num_layers * 4 ? decoder.layer_units[p / 4][p % 4] : head_units;
+    return p < num_layers * 4 ? decoder.layer_units[p / 4][p % 4] : decoder.head_units;
   };
   // attention tasks are taken in turn (rows attend over caches of different lengths): one
   // counter a layer
@@ -784,7 +782,7 @@ inline void forward_layers(torch::Tensor x, const Decoder& decoder, const PassRo
         by_final.quantise(&final_normed[j * h], h, j);
       }
       me.wait();
-      product(me, decoder.head, head_units, by_final, num_wanted, logits.data_ptr<float>(),
+      product(me, decoder.head, decoder.head_units, by_final, num_wanted, logits.data_ptr<float>(),
               share + num_layers * 4 * me.threads);
     }
   }
